@@ -1,0 +1,644 @@
+"""`AccumModel`: gradient accumulation inside `model.fit`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses import loss as loss_module
+from keras.src.models.functional import Functional
+from keras.src.trainers import trainer as trainer_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_accum._validation import check_accum_steps, check_partial_window
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+_SUM_REDUCTIONS = ("sum", "none", None)
+
+
+def _require_tensorflow_backend() -> None:
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            "keras_accum.AccumModel currently supports the TensorFlow "
+            f"backend only. Received: backend={backend!r}. Select TensorFlow "
+            "with `export KERAS_BACKEND=tensorflow` before Python imports "
+            "Keras, or set `\"backend\": \"tensorflow\"` in "
+            "~/.keras/keras.json."
+        )
+
+
+def _functional_init_arguments(args, kwargs) -> bool:
+    # Keras's own test for "called like `Model(inputs, outputs)`".
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class AccumModel(keras.Model):
+    """A `keras.Model` that accumulates gradients over `accum_steps` batches.
+
+    Each batch that `fit` feeds a step is a *micro-batch*. `AccumModel`
+    adds every micro-batch's gradient into non-trainable accumulators and
+    applies the optimizer once per *window* (or *pseudo-batch*) of
+    `accum_steps` micro-batches, with one conditional inside the compiled
+    train step. Training with batch size `B` and `accum_steps=k` equals
+    training a plain `keras.Model` with batch size `B * k` on the same data
+    in the same order, update by update, to float32 rounding:
+
+    - The accumulated gradient is the gradient of the window's loss, with
+      the window reduced the way the loss reduces a batch: for
+      `"sum_over_batch_size"` each micro-batch is weighted by its number of
+      loss entries (samples, or unmasked timesteps), for
+      `"mean_with_sample_weight"` by its sample-weight total, and for
+      `"sum"` the micro-batch losses add up. A short last micro-batch
+      therefore counts exactly as much as it would inside a large batch.
+    - The optimizer runs once per window, so `optimizer.iterations` counts
+      updates: learning-rate schedules, Adam's bias correction, weight
+      decay, momentum and gradient clipping (`clipnorm`, `clipvalue`,
+      `global_clipnorm`) all see the window's gradient, as they would see
+      a large batch's.
+    - Regularization losses from weight regularizers count once per
+      window, as in a large batch.
+
+    Epoch ends: with `partial_window="apply"` (the default) a window still
+    open when an epoch ends is applied on the epoch's last step, normalised
+    over what it holds, before validation and epoch-end callbacks, exactly
+    as a large-batch epoch ends with a short batch. When the number of
+    steps per epoch is unknown (a dataset of unknown cardinality and no
+    `steps_per_epoch`), the step cannot know it is the last one; the open
+    window is then applied right after the epoch's last step, still before
+    validation and epoch-end callbacks, by one extra call. With
+    `partial_window="carry"` windows ignore epoch boundaries and a window
+    open at the end of an epoch, or of `fit`, continues with the next
+    batches; `apply_partial_window()` applies it on demand.
+
+    The `loss` and metrics in `fit`'s logs are what a plain model reports
+    on the same micro-batches. `evaluate` and `predict` are unchanged.
+
+    `AccumModel` is used like `keras.Model`, three ways:
+
+    - functional: `AccumModel(inputs, outputs, accum_steps=4)`;
+    - subclassing: a subclass whose `__init__` calls
+      `super().__init__(accum_steps=4)` and defines `call`;
+    - an existing built model (e.g. a pretrained one):
+      `AccumModel.from_model(model, accum_steps=4)`.
+
+    Args:
+        accum_steps: Integer >= 1. Micro-batches per optimizer update.
+            Defaults to `1` (one update per batch, as `keras.Model`).
+        partial_window: `"apply"` or `"carry"`. What happens to a window
+            still open when an epoch ends: `"apply"` applies it then,
+            `"carry"` continues it into the next epoch. Defaults to
+            `"apply"`.
+        *args, **kwargs: Passed to `keras.Model`.
+
+    Example:
+
+    ```python
+    inputs = keras.Input(shape=(784,))
+    outputs = keras.layers.Dense(10, activation="softmax")(inputs)
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=8)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    # One update per 8 batches of 32: large-batch training at batch 256.
+    model.fit(x, y, batch_size=32, epochs=3)
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # Keras makes `Model(inputs, outputs)` a `Functional` by rewriting the
+        # subclass's bases in place; that would turn every later subclass
+        # of `AccumModel` functional too. A fixed functional subclass
+        # avoids it.
+        if cls is AccumModel and _functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(_FunctionalAccumModel)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(
+        self,
+        *args: Any,
+        accum_steps: int = 1,
+        partial_window: str = "apply",
+        **kwargs: Any,
+    ) -> None:
+        _require_tensorflow_backend()
+        accum_steps = check_accum_steps(accum_steps)
+        partial_window = check_partial_window(partial_window)
+        if isinstance(self, Functional):
+            trainer_module.Trainer.__init__(self)
+            Functional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        self._accum_steps = accum_steps
+        self._partial_window = partial_window
+        self._reset_window_state()
+
+    def _reset_window_state(self):
+        self._window = None
+        self._window_refs = None
+        self._flush_function = None
+        # Fixed when the train step is traced; the flush reuses them.
+        self._window_sum_mode = False
+        self._window_none_grads = None
+        self._steps_per_epoch = 0
+
+    # -- Public surface ------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model: keras.Model,
+        accum_steps: int,
+        partial_window: str = "apply",
+    ) -> AccumModel:
+        """Returns an `AccumModel` computing what `model` computes.
+
+        The result shares `model`'s layers and weights (nothing is copied)
+        and has the same weights in the same order, so `get_weights()` of
+        either loads into the other. Compile the result before `fit`.
+
+        Args:
+            model: A built `keras.Model`: `Sequential`, functional or
+                subclassed (e.g. a pretrained model).
+            accum_steps: Integer >= 1. Micro-batches per optimizer update.
+            partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
+                Defaults to `"apply"`.
+
+        Example:
+
+        ```python
+        base = keras.applications.MobileNetV3Small(weights=None)
+        model = keras_accum.AccumModel.from_model(base, accum_steps=4)
+        ```
+        """
+        check_accum_steps(accum_steps)
+        check_partial_window(partial_window)
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "`model` must be a `keras.Model`. "
+                f"Received: model={model!r} (of type {type(model).__name__})"
+            )
+        if isinstance(model, Functional):  # Sequential and functional.
+            try:
+                inputs, outputs = model.inputs, model.outputs
+            except (AttributeError, ValueError):
+                inputs = outputs = None
+            if inputs is not None and outputs is not None:
+                return AccumModel(
+                    inputs,
+                    outputs,
+                    name=model.name,
+                    accum_steps=accum_steps,
+                    partial_window=partial_window,
+                )
+        if not model.built:
+            raise ValueError(
+                "`model` must be built (have its weights) before it is "
+                "converted; call it on a batch of data or give its first "
+                f"layer an input shape. Received: model={model.name!r}, "
+                "which is not built."
+            )
+        return _WrappedAccumModel(
+            model,
+            name=f"{model.name}_accum",
+            accum_steps=accum_steps,
+            partial_window=partial_window,
+        )
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer update. Changing it never retraces."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        self._accum_steps = check_accum_steps(value)
+        if self._window is not None:
+            self._window.window_length.assign(self._accum_steps)
+
+    @property
+    def partial_window(self) -> str:
+        """`"apply"` or `"carry"`: what happens to a window at epoch end."""
+        return self._partial_window
+
+    @partial_window.setter
+    def partial_window(self, value: str) -> None:
+        value = check_partial_window(value)
+        if value != self._partial_window:
+            self._partial_window = value
+            # The policy is part of the traced step.
+            self.train_function = None
+            self._flush_function = None
+
+    @property
+    def mini_step(self) -> int:
+        """Micro-batches in the window now open; 0 right after an update."""
+        if self._window is None:
+            return 0
+        return int(self._window.mini_step.value.numpy())
+
+    @property
+    def skipped_windows(self) -> int:
+        """Windows not applied because their gradient was not finite."""
+        if self._window is None:
+            return 0
+        return int(self._window.skipped_windows.value.numpy())
+
+    def apply_partial_window(self) -> bool:
+        """Applies the open window now, if it holds any micro-batch.
+
+        The window is normalised over what it holds, as a short last batch
+        is. Returns whether an update was applied (a window whose gradient
+        is not finite counts as applied and is skipped, see
+        `skipped_windows`).
+        """
+        if self._window is None or self.mini_step == 0:
+            return False
+        if self._flush_function is None:
+            self._flush_function = self._make_flush_function()
+        self._flush_function()
+        return True
+
+    # -- Compile, fit, evaluate ---------------------------------------------
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        super().compile(*args, **kwargs)
+        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "The optimizer passed to `AccumModel.compile()` accumulates "
+                "gradients itself, which would accumulate them twice. Use "
+                "`accum_steps` on the model only. Received: "
+                f"gradient_accumulation_steps={steps} on optimizer "
+                f"{optimizer.name!r}."
+            )
+        if self._window is not None and self.mini_step > 0:
+            warnings.warn(
+                f"`compile()` discards an open window of {self.mini_step} "
+                "micro-batches that was never applied; call "
+                "`apply_partial_window()` before recompiling to keep it.",
+                stacklevel=2,
+            )
+        # The optimizer, the trainable set or the loss may have changed.
+        self._reset_window_state()
+
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: Any = "auto",
+        callbacks: Any = None,
+        **kwargs: Any,
+    ):
+        epoch_callback = _WindowEpochs(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, epoch_callback)
+            epoch_callback.set_model(self)
+        else:
+            # First, so that epoch-end callbacks see the applied window.
+            callbacks = [epoch_callback, *(callbacks or [])]
+        return super().fit(
+            x=x,
+            y=y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            **kwargs,
+        )
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        if kwargs.get("_use_cached_eval_dataset") and (
+            self._partial_window == "apply"
+        ):
+            # `fit`'s validation: an epoch of unknown length may have left
+            # its last window open.
+            self.apply_partial_window()
+        return super().evaluate(*args, **kwargs)
+
+    def get_config(self) -> dict:
+        config = {
+            "accum_steps": self._accum_steps,
+            "partial_window": self._partial_window,
+        }
+        return {**super().get_config(), **config}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        accum_steps = config.pop("accum_steps", 1)
+        partial_window = config.pop("partial_window", "apply")
+        # Keras revives functional and subclassed models differently; both
+        # paths get a model built with the defaults, set here after.
+        model = super().from_config(config, custom_objects=custom_objects)
+        model.accum_steps = accum_steps
+        model.partial_window = partial_window
+        return model
+
+    # -- Building the window state before tracing ---------------------------
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        if self._distribute_strategy is None and not self._all_built():
+            # Without a strategy Keras builds on the first trace; the
+            # accumulators must exist before it, so build from the
+            # dataset's element spec (no batch is consumed).
+            spec = data_batch
+            if spec is None and iterator is not None:
+                dataset = getattr(iterator, "_distributed_dataset", None)
+                spec = getattr(dataset, "element_spec", None)
+            if spec is not None:
+                try:
+                    self._symbolic_build(data_batch=spec)
+                except Exception:  # noqa: BLE001
+                    # Left to the first trace, as in Keras.
+                    pass
+        self._ensure_window()
+
+    def _all_built(self):
+        return all(layer.built for layer in self._flatten_layers()) and (
+            self.optimizer is None or self.optimizer.built
+        )
+
+    def _ensure_window(self):
+        if self._window is not None or self.optimizer is None:
+            return
+        if not all(layer.built for layer in self._flatten_layers()):
+            return
+        from keras_accum._tf_window import WindowState
+
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+        self._window = WindowState(
+            self.trainable_weights, self._accum_steps, strategy
+        )
+        self._window_refs = [id(v) for v in self.trainable_weights]
+        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _window_for_step(self):
+        if self._window is None:
+            # The model could not be built before tracing (e.g. its build
+            # needs real data); create the state during the first trace.
+            self._ensure_window()
+        if self._window_refs != [id(v) for v in self.trainable_weights]:
+            raise ValueError(
+                "The model's trainable weights changed since the "
+                "accumulators were created. Call `compile()` again after "
+                "changing `trainable`, as Keras requires."
+            )
+        return self._window
+
+    # -- The train step -------------------------------------------------------
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        window = self._window_for_step()
+
+        # Forward pass under the tape.
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+            batch_size = tf.shape(
+                next(i for i in tree.flatten(x) if i is not None)
+            )[0]
+            self._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=batch_size,
+            )
+
+            # Weight the micro-batch by its share of the window's loss.
+            objective, normalizer = self._window_objective(
+                loss, y, y_pred, sample_weight, batch_size, window
+            )
+            if self.optimizer is not None:
+                objective = self.optimizer.scale_loss(objective)
+
+        if not self.trainable_weights:
+            warnings.warn("The model does not have any trainable weights.")
+            return self.compute_metrics(
+                x, y, y_pred, sample_weight=sample_weight
+            )
+
+        # Gradients, added to the window.
+        trainable_weights = self.trainable_weights
+        gradients = tape.gradient(objective, trainable_weights)
+        self._window_none_grads = [g is None for g in gradients]
+        window.accumulate(gradients, normalizer)
+
+        # Apply: once per window, inside the compiled step.
+        window.maybe_apply(
+            self.optimizer,
+            trainable_weights,
+            window.window_is_complete(self._partial_window == "apply"),
+            self._window_sum_mode,
+            self._window_none_grads,
+        )
+
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
+        """Returns (what to differentiate, this micro-batch's normaliser).
+
+        Mean-reduced losses are turned back into sums (times the entries
+        they averaged over) so that the window can be divided by its total
+        at apply time: the mean over the window, not a mean of means.
+        """
+        import tensorflow as tf
+
+        reduction, normalizer = self._loss_normalizer(
+            y, y_pred, sample_weight, batch_size
+        )
+        self._window_sum_mode = reduction in _SUM_REDUCTIONS
+        if self._window_sum_mode:
+            # Summed micro-batch losses already add up to the window's,
+            # except that each carries the regularization once: keep it on
+            # the window's first micro-batch only.
+            regularization = self._regularization_loss(loss.dtype)
+            later = tf.cast(w.mini_step.value > 0, loss.dtype)
+            return loss - later * regularization, tf.zeros((), "float32")
+        normalizer = tf.cast(normalizer, loss.dtype)
+        objective = loss_module.unscale_loss_for_distribution(loss)
+        return objective * normalizer, normalizer
+
+    def _regularization_loss(self, dtype):
+        import tensorflow as tf
+
+        losses = [self._aggregate_additional_loss(v) for v in self.losses]
+        if not losses:
+            return tf.zeros((), dtype)
+        return tf.cast(tf.add_n(losses), dtype)
+
+    def _loss_normalizer(self, y, y_pred, sample_weight, batch_size):
+        """The reduction in use and the divisor it applied to this batch.
+
+        Only proportionality across micro-batches matters: the window is
+        divided by the total of these.
+        """
+        import tensorflow as tf
+
+        compile_loss = self._compile_loss
+        flat_losses = getattr(compile_loss, "_flat_losses", None) or []
+        reductions = []
+        for entry in flat_losses:
+            reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+            reductions.append(
+                "sum_over_batch_size" if reduction is None else reduction
+            )
+        if not reductions:
+            # A custom `compute_loss`: assume the usual mean over the batch.
+            return "sum_over_batch_size", batch_size
+        if len(set(reductions)) > 1:
+            warnings.warn(
+                "The losses use different reductions "
+                f"({sorted(set(map(str, reductions)))}); AccumModel weights "
+                "every micro-batch by its number of samples, which equals "
+                "large-batch training only when micro-batches are full.",
+                stacklevel=2,
+            )
+            return "sum_over_batch_size", batch_size
+        reduction = reductions[0]
+        if reduction in _SUM_REDUCTIONS:
+            return reduction, None
+        flat_pred = tree.flatten(y_pred)
+        if len(flat_losses) != 1 or len(flat_pred) != 1:
+            # Several outputs share the batch: samples are the common unit.
+            return reduction, batch_size
+        pred = flat_pred[0]
+        mask = get_keras_mask(pred)
+        shape = tf.shape(pred)
+        # Loss functions reduce the last axis; the entries left are what
+        # "sum_over_batch_size" divides by.
+        if pred.shape.rank is not None and pred.shape.rank > 1:
+            entries = tf.reduce_prod(shape[:-1])
+        else:
+            entries = batch_size
+        if reduction == "mean_with_sample_weight":
+            weight = loss_module.apply_mask(
+                _single(sample_weight), mask, "float32", reduction
+            )
+            if weight is not None:
+                return reduction, tf.reduce_sum(tf.cast(weight, "float32"))
+            return reduction, entries
+        if mask is not None:
+            return reduction, tf.reduce_sum(tf.cast(mask, "float32"))
+        return reduction, entries
+
+    def _make_flush_function(self):
+        import tensorflow as tf
+
+        window = self._window
+        strategy = self.distribute_strategy
+        variables = self.trainable_weights
+
+        def replica_fn():
+            window.maybe_apply(
+                self.optimizer,
+                variables,
+                window.mini_step.value > 0,
+                self._window_sum_mode,
+                self._window_none_grads or [False] * len(variables),
+            )
+
+        @tf.function
+        def flush():
+            strategy.run(replica_fn)
+
+        return flush
+
+    def _set_steps_per_epoch(self, steps):
+        self._steps_per_epoch = int(steps or 0)
+        if self._window is not None:
+            self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _start_epoch(self):
+        if self._window is not None:
+            self._window.epoch_step.assign(0)
+
+
+def _single(sample_weight):
+    flat = tree.flatten(sample_weight) if sample_weight is not None else []
+    return flat[0] if len(flat) == 1 else None
+
+
+class _WindowEpochs(keras.callbacks.Callback):
+    """Tells the compiled step where epochs end; applies leftovers."""
+
+    def __init__(self, model: AccumModel):
+        super().__init__()
+        self._accum_model = model
+
+    def on_train_begin(self, logs=None):
+        self._accum_model._set_steps_per_epoch(self.params.get("steps"))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._accum_model._start_epoch()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._accum_model.partial_window == "apply":
+            # Unknown epoch length: the step could not close the window.
+            self._accum_model.apply_partial_window()
+
+    def on_train_end(self, logs=None):
+        self._accum_model._set_steps_per_epoch(0)
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class _FunctionalAccumModel(AccumModel, Functional):
+    """What `AccumModel(inputs, outputs)` builds: functional and accumulating.
+
+    Not instantiated directly; `isinstance(model, AccumModel)` holds.
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class _WrappedAccumModel(AccumModel):
+    """An `AccumModel` around a built subclassed model (`from_model`)."""
+
+    def __init__(self, inner_model, **kwargs):
+        super().__init__(**kwargs)
+        self.inner_model = inner_model
+        self.built = inner_model.built
+
+    def call(self, inputs, training=None):
+        return self.inner_model(inputs, training=training)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "inner_model": keras.saving.serialize_keras_object(
+                self.inner_model
+            ),
+            "accum_steps": self._accum_steps,
+            "partial_window": self._partial_window,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_model"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
