@@ -92,7 +92,7 @@ class WindowState:
     # -- Inside the train step (replica context) ---------------------------
 
     def accumulate(self, grads, normalizer):
-        for acc, grad in zip(self.acc_grads, grads):
+        for acc, grad in zip(self.acc_grads, grads, strict=True):
             if grad is None:
                 continue
             # Embedding gradients (`IndexedSlices`) densify here: the
@@ -160,11 +160,16 @@ class WindowState:
                 tf.math.divide_no_nan(acc.value, total)
                 for acc in self.acc_grads
             ]
-        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        grads = [
+            tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)
+        ]
         finite = _all_finite(grads)
         # A variable the loss never reached gets `None`, as in a plain
         # step: no momentum decay, no weight decay for it.
-        grads = [None if none else g for g, none in zip(grads, none_grads)]
+        grads = [
+            None if none else g
+            for g, none in zip(grads, none_grads, strict=True)
+        ]
         if isinstance(optimizer, LossScaleOptimizer):
             # It checks finiteness itself, skips, and lowers its scale.
             optimizer.apply(grads, variables)

@@ -12,6 +12,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.utils.naming import auto_name
 
 from keras_accum._validation import check_accum_steps, check_partial_window
 
@@ -26,7 +27,7 @@ def _require_tensorflow_backend() -> None:
             "keras_accum.AccumModel currently supports the TensorFlow "
             f"backend only. Received: backend={backend!r}. Select TensorFlow "
             "with `export KERAS_BACKEND=tensorflow` before Python imports "
-            "Keras, or set `\"backend\": \"tensorflow\"` in "
+            'Keras, or set `"backend": "tensorflow"` in '
             "~/.keras/keras.json."
         )
 
@@ -131,6 +132,9 @@ class AccumModel(keras.Model):
         accum_steps = check_accum_steps(accum_steps)
         partial_window = check_partial_window(partial_window)
         if isinstance(self, Functional):
+            if kwargs.get("name") is None:
+                # Not the private class's name: "accum_model", "accum_model_1".
+                kwargs["name"] = auto_name("AccumModel")
             trainer_module.Trainer.__init__(self)
             Functional.__init__(self, *args, **kwargs)
         else:
@@ -250,6 +254,17 @@ class AccumModel(keras.Model):
             return 0
         return int(self._window.skipped_windows.value.numpy())
 
+    @property
+    def accumulators(self) -> list:
+        """The gradient accumulators, one per trainable weight, same order.
+
+        Empty until the model is first trained. Each holds the window's
+        gradient sum (weighted as described above), not yet divided.
+        """
+        if self._window is None:
+            return []
+        return list(self._window.acc_grads)
+
     def apply_partial_window(self) -> bool:
         """Applies the open window now, if it holds any micro-batch.
 
@@ -288,6 +303,16 @@ class AccumModel(keras.Model):
             )
         # The optimizer, the trainable set or the loss may have changed.
         self._reset_window_state()
+
+    def compile_from_config(self, config: dict) -> None:
+        # Keras skips compiling a loaded model whose class overrides
+        # `compile`; this override takes Keras's arguments unchanged.
+        if type(self).compile is not AccumModel.compile:
+            return super().compile_from_config(config)
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def fit(
         self,
@@ -366,11 +391,11 @@ class AccumModel(keras.Model):
 
     def _all_built(self):
         return all(layer.built for layer in self._flatten_layers()) and (
-            self.optimizer is None or self.optimizer.built
+            getattr(self, "optimizer", None) is None or self.optimizer.built
         )
 
     def _ensure_window(self):
-        if self._window is not None or self.optimizer is None:
+        if self._window is not None or getattr(self, "optimizer", None) is None:
             return
         if not all(layer.built for layer in self._flatten_layers()):
             return
@@ -436,7 +461,9 @@ class AccumModel(keras.Model):
                 objective = self.optimizer.scale_loss(objective)
 
         if not self.trainable_weights:
-            warnings.warn("The model does not have any trainable weights.")
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
             return self.compute_metrics(
                 x, y, y_pred, sample_weight=sample_weight
             )

@@ -1,0 +1,646 @@
+"""AccumModel at batch B with accum_steps=k equals keras.Model at batch B*k."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _helpers import (
+    accum_mlp,
+    assert_same_weights,
+    classification_data,
+    mlp,
+    max_weight_diff,
+    regression_data,
+    train_pair,
+)
+
+import keras_accum
+
+B, K = 8, 4  # 70 samples: windows of 4, 4 and a short one (2 + 6 samples).
+
+
+def _pair(optimizer_fn, loss="mse", compile_kwargs=None, **model_kwargs):
+    compile_kwargs = compile_kwargs or {}
+    plain = mlp(**model_kwargs)
+    plain.compile(optimizer=optimizer_fn(), loss=loss, **compile_kwargs)
+    accum = accum_mlp(K, **model_kwargs)
+    accum.compile(optimizer=optimizer_fn(), loss=loss, **compile_kwargs)
+    return plain, accum
+
+
+# -- Optimizers, stateful ones included --------------------------------------
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, nesterov=True
+    ),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop_momentum": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.01),
+    "sgd_ema": lambda: keras.optimizers.SGD(0.1, use_ema=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_matches_large_batch(name, report_diff):
+    x, y = regression_data()
+    plain, accum = _pair(
+        OPTIMIZERS[name], compile_kwargs={"jit_compile": False}
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+    # 2 epochs of 70 samples at 32: 3 updates each, the last one short.
+    assert int(accum.optimizer.iterations) == 6
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_jit_compile_true_and_false(jit_compile, report_diff):
+    x, y = regression_data()
+    plain, accum = _pair(
+        lambda: keras.optimizers.Adam(0.01),
+        compile_kwargs={"jit_compile": jit_compile},
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+
+
+def test_steps_per_execution(report_diff):
+    x, y = regression_data()
+    plain, accum = _pair(
+        lambda: keras.optimizers.Adam(0.01),
+        compile_kwargs={"steps_per_execution": 3},
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K, compare_each_update=False)
+    report_diff(diff)
+
+
+# -- Schedules see updates, not micro-steps -----------------------------------
+
+
+@pytest.mark.parametrize("base", ["sgd", "adam"])
+def test_learning_rate_schedule_counts_updates(base, report_diff):
+    def optimizer():
+        schedule = keras.optimizers.schedules.ExponentialDecay(
+            0.1 if base == "sgd" else 0.01, decay_steps=1, decay_rate=0.5
+        )
+        if base == "sgd":
+            return keras.optimizers.SGD(schedule, momentum=0.9)
+        return keras.optimizers.Adam(schedule)
+
+    x, y = regression_data()
+    plain, accum = _pair(optimizer)
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+    np.testing.assert_allclose(
+        float(accum.optimizer.learning_rate),
+        float(plain.optimizer.learning_rate),
+    )
+
+
+# -- Clipping applies once, to the window's gradient --------------------------
+
+
+@pytest.mark.parametrize(
+    "clip", [{"clipnorm": 0.05}, {"clipvalue": 0.01}, {"global_clipnorm": 0.05}]
+)
+def test_gradient_clipping_applies_to_the_window(clip, report_diff):
+    x, y = regression_data()
+    plain, accum = _pair(
+        lambda: keras.optimizers.SGD(0.5, momentum=0.5, **clip)
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+    # The thresholds bite: clipping every micro-batch instead would differ.
+    reference = mlp()
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.5, momentum=0.5), loss="mse"
+    )
+    reference.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    assert (
+        np.max(np.abs(reference.get_weights()[0] - plain.get_weights()[0]))
+        > 1e-3
+    )
+
+
+# -- Sample weights, class weights, regularization ---------------------------
+
+
+def test_sample_weight(report_diff):
+    x, y = regression_data()
+    weights = np.random.default_rng(3).uniform(0, 2, size=len(x))
+    plain, accum = _pair(lambda: keras.optimizers.Adam(0.01))
+    diff, _, _ = train_pair(
+        plain, accum, x, y, B, K, sample_weight=weights.astype("float32")
+    )
+    report_diff(diff)
+
+
+def test_class_weight(report_diff):
+    x, y = classification_data()
+    kwargs = {"features": 6, "outputs": 4, "activation": "softmax"}
+    plain, accum = _pair(
+        lambda: keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        **kwargs,
+    )
+    diff, _, _ = train_pair(
+        plain, accum, x, y, B, K, class_weight={0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
+    )
+    report_diff(diff)
+
+
+def test_regularization_losses_count_once_per_window(report_diff):
+    x, y = regression_data()
+    plain, accum = _pair(
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        layer_kwargs={
+            "kernel_regularizer": keras.regularizers.L2(0.05),
+            "bias_regularizer": keras.regularizers.L1(0.01),
+        },
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+
+
+# -- Loss reductions, with an uneven last batch ------------------------------
+
+
+@pytest.mark.parametrize(
+    "reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"]
+)
+def test_loss_reductions_with_uneven_last_batch(reduction, report_diff):
+    x, y = regression_data(n=70)  # 70 = 2 * 32 + 6
+    weights = np.random.default_rng(4).uniform(0.1, 2, size=len(x))
+    lr = 0.001 if reduction == "sum" else 0.05
+    plain, accum = _pair(
+        lambda: keras.optimizers.SGD(lr, momentum=0.5),
+        loss=keras.losses.MeanSquaredError(reduction=reduction),
+        layer_kwargs={"kernel_regularizer": keras.regularizers.L2(0.01)},
+    )
+    diff, _, _ = train_pair(
+        plain, accum, x, y, B, K, sample_weight=weights.astype("float32")
+    )
+    report_diff(diff)
+
+
+def test_multi_output_with_loss_weights(report_diff):
+    x, y = regression_data(outputs=3)
+    y2 = (y[:, :1] > 0).astype("float32")
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        reg = keras.layers.Dense(3, name="reg")(hidden)
+        cls_out = keras.layers.Dense(1, activation="sigmoid", name="cls")(
+            hidden
+        )
+        model = cls(inputs, {"reg": reg, "cls": cls_out}, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss={"reg": "mse", "cls": "binary_crossentropy"},
+            loss_weights={"reg": 0.3, "cls": 2.0},
+        )
+        return model
+
+    plain = build(keras.Model)
+    accum = build(keras_accum.AccumModel, accum_steps=K)
+    diff, _, _ = train_pair(plain, accum, x, {"reg": y, "cls": y2}, B, K)
+    report_diff(diff)
+
+
+# -- Epoch ends ---------------------------------------------------------------
+
+
+class _EpochEndWeights(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append([w.copy() for w in self.model.get_weights()])
+
+
+def _compare_epoch_ends(plain_cb, accum_cb):
+    assert len(plain_cb.weights) == len(accum_cb.weights)
+    for wp, wa in zip(plain_cb.weights, accum_cb.weights, strict=True):
+        for u, v in zip(wp, wa, strict=True):
+            np.testing.assert_allclose(u, v, atol=1e-6, rtol=1e-5)
+
+
+def test_partial_window_applied_before_validation_and_callbacks(report_diff):
+    x, y = regression_data(n=70)
+    xv, yv = regression_data(n=20, seed=5)
+    plain, accum = _pair(lambda: keras.optimizers.Adam(0.01))
+    plain_cb, accum_cb = _EpochEndWeights(), _EpochEndWeights()
+    plain_hist = plain.fit(
+        x,
+        y,
+        batch_size=B * K,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[plain_cb],
+    )
+    accum_hist = accum.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[accum_cb],
+    )
+    assert accum.mini_step == 0
+    assert (
+        int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == 9
+    )
+    np.testing.assert_allclose(
+        accum_hist.history["val_loss"],
+        plain_hist.history["val_loss"],
+        rtol=1e-5,
+    )
+    _compare_epoch_ends(plain_cb, accum_cb)
+    assert_same_weights(plain, accum)
+    report_diff(
+        max(
+            float(np.max(np.abs(u - v)))
+            for u, v in zip(
+                plain.get_weights(), accum.get_weights(), strict=True
+            )
+        )
+    )
+
+
+def _unknown_length(x, y, batch_size):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
+    ds = ds.batch(batch_size)
+    assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    return ds
+
+
+def test_unknown_steps_per_epoch_applies_after_last_step(report_diff):
+    x, y = regression_data(n=70)
+    xv, yv = regression_data(n=20, seed=5)
+    plain, accum = _pair(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    plain_cb, accum_cb = _EpochEndWeights(), _EpochEndWeights()
+    # The reference sees the same batches with a known length: Keras 3.15
+    # itself counts one extra optimizer iteration per epoch (without
+    # changing weights) when the length is unknown.
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(B * K)
+    plain_hist = plain.fit(
+        known,
+        epochs=3,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[plain_cb],
+    )
+    accum_hist = accum.fit(
+        _unknown_length(x, y, B),
+        epochs=3,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[accum_cb],
+    )
+    assert (
+        int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == 9
+    )
+    np.testing.assert_allclose(
+        accum_hist.history["val_loss"],
+        plain_hist.history["val_loss"],
+        rtol=1e-5,
+    )
+    _compare_epoch_ends(plain_cb, accum_cb)
+    assert_same_weights(plain, accum)
+    report_diff(max_weight_diff(plain, accum))
+
+
+def test_carry_partial_window_into_next_epoch(report_diff):
+    x, y = regression_data(n=70)
+    accum = accum_mlp(K, partial_window="carry")
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    # 2 epochs of 9 micro-batches: 4 full windows, 2 micro-batches left.
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    assert int(accum.optimizer.iterations) == 4
+    assert accum.mini_step == 2
+
+    # Windows run across the epoch boundary: the third is the first
+    # epoch's short micro-batch (6 samples) plus 3 of the next epoch.
+    xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    for start, stop in [(0, 32), (32, 64), (64, 94), (94, 126)]:
+        plain.train_on_batch(xx[start:stop], yy[start:stop])
+    assert_same_weights(plain, accum)
+
+    # The carried micro-batches (8 + 6 samples) are applied on demand.
+    assert accum.apply_partial_window() is True
+    assert accum.apply_partial_window() is False
+    plain.train_on_batch(xx[126:], yy[126:])
+    assert_same_weights(plain, accum)
+    report_diff(
+        max(
+            float(np.max(np.abs(u - v)))
+            for u, v in zip(
+                plain.get_weights(), accum.get_weights(), strict=True
+            )
+        )
+    )
+
+
+# -- Logs ---------------------------------------------------------------------
+
+
+def test_logs_report_the_plain_micro_batch_loss_and_metrics():
+    # With a zero learning rate no update changes the weights, so a plain
+    # model at the micro-batch size must log exactly the same numbers.
+    x, y = regression_data()
+
+    def fit(model, batch_size):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=["mae"]
+        )
+        return model.fit(
+            x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0
+        ).history
+
+    plain = fit(mlp(), B)
+    accum = fit(accum_mlp(K), B)
+    assert set(accum) == set(plain) == {"loss", "mae"}
+    for key in plain:
+        np.testing.assert_allclose(accum[key], plain[key], rtol=1e-6)
+
+
+def test_update_happens_once_per_window():
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    seen = []
+    model.fit(
+        x,
+        y,
+        batch_size=B,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda b, logs: seen.append(
+                    (model.mini_step, int(model.optimizer.iterations))
+                )
+            )
+        ],
+    )
+    assert seen == [
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 1),
+        (0, 2),
+    ]
+
+
+def test_accum_steps_can_change_without_retracing():
+    x, y = regression_data(n=64)
+    model = accum_mlp(2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+    train_function = model.train_function
+    model.accum_steps = 8
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 5
+    assert model.train_function is train_function
+
+
+# -- Three ways to make an AccumModel ----------------------------------------
+
+
+class PlainNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
+class AccumNet(keras_accum.AccumModel):
+    def __init__(self, units=8, **kwargs):
+        super().__init__(accum_steps=K, **kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def _fresh(model_fn):
+    keras.utils.set_random_seed(1)
+    model = model_fn()
+    model(np.zeros((1, 5), "float32"))
+    return model
+
+
+def test_subclassing_after_functional_use(report_diff):
+    # A functional AccumModel first: Keras must not turn later subclasses
+    # of AccumModel functional.
+    keras_accum.AccumModel(*_io(), accum_steps=2)
+    x, y = regression_data()
+    plain, accum = _fresh(PlainNet), _fresh(AccumNet)
+    assert not isinstance(accum, keras.src.models.functional.Functional)
+    assert accum.accum_steps == K
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+
+
+def _io():
+    inputs = keras.Input((5,))
+    return inputs, keras.layers.Dense(3)(inputs)
+
+
+def _sequential(seed=1):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_from_model_converts_a_built_model(kind, report_diff):
+    builders = {
+        "sequential": _sequential,
+        "functional": lambda: mlp(),
+        "subclassed": lambda: _fresh(PlainNet),
+    }
+    x, y = regression_data()
+    original = builders[kind]()
+    reference = builders[kind]()
+    accum = keras_accum.AccumModel.from_model(original, accum_steps=K)
+    assert isinstance(accum, keras_accum.AccumModel)
+    # Same weights, same order: a pretrained model's weights carry over.
+    for u, v in zip(accum.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_array_equal(u, v)
+    np.testing.assert_allclose(
+        accum.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-6
+    )
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse"
+    )
+    accum.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    diff, _, _ = train_pair(reference, accum, x, y, B, K)
+    report_diff(diff)
+
+
+def test_from_model_refuses_an_unbuilt_model():
+    with pytest.raises(ValueError, match="must be built"):
+        keras_accum.AccumModel.from_model(PlainNet(), accum_steps=2)
+    with pytest.raises(TypeError, match="model"):
+        keras_accum.AccumModel.from_model(keras.layers.Dense(2), accum_steps=2)
+
+
+# -- Refusals -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (2.5, TypeError),
+        ("4", TypeError),
+        (None, TypeError),
+        (True, TypeError),
+    ],
+)
+def test_bad_accum_steps_are_refused(value, error):
+    with pytest.raises(error, match=r"`accum_steps`.*Received: accum_steps="):
+        keras_accum.AccumModel(*_io(), accum_steps=value)
+    with pytest.raises(error, match=rf"accum_steps={value!r}"):
+        keras_accum.AccumModel.from_model(mlp(), accum_steps=value)
+    model = accum_mlp(2)
+    with pytest.raises(error, match="`accum_steps`"):
+        model.accum_steps = value
+    assert model.accum_steps == 2
+
+
+def test_bad_partial_window_is_refused():
+    with pytest.raises(ValueError, match="partial_window='end'"):
+        keras_accum.AccumModel(*_io(), accum_steps=2, partial_window="end")
+
+
+def test_optimizer_that_accumulates_itself_is_refused():
+    model = accum_mlp(2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+        model.compile(
+            optimizer=keras.optimizers.Adam(gradient_accumulation_steps=4),
+            loss="mse",
+        )
+
+
+def test_other_backends_are_refused_with_how_to_select_tensorflow():
+    import subprocess
+    import sys
+
+    code = (
+        "import keras, keras_accum\n"
+        "i = keras.Input((2,))\n"
+        "keras_accum.AccumModel(i, keras.layers.Dense(1)(i), accum_steps=2)\n"
+    )
+    env = {**__import__("os").environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "RuntimeError" in result.stderr
+    assert "backend='jax'" in result.stderr
+    assert "KERAS_BACKEND=tensorflow" in result.stderr
+
+
+# -- Serialization ------------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    x, y = regression_data()
+    model = accum_mlp(3, partial_window="carry")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=B, verbose=0)
+    assert model.get_config()["accum_steps"] == 3
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, keras_accum.AccumModel)
+    assert loaded.accum_steps == 3
+    assert loaded.partial_window == "carry"
+    assert_same_weights(loaded, model, atol=0)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
+    )
+    # Optimizer state came back too: training continues identically.
+    loaded.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations) > int(model.optimizer.iterations)
+
+
+@pytest.mark.parametrize("kind", ["subclass", "from_model_subclassed"])
+def test_save_and_load_subclassed(kind, tmp_path):
+    if kind == "subclass":
+        model = _fresh(AccumNet)
+    else:
+        model = keras_accum.AccumModel.from_model(
+            _fresh(PlainNet), accum_steps=5
+        )
+    model.compile(optimizer="adam", loss="mse")
+    x, y = regression_data()
+    model.fit(x, y, batch_size=B, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(
+        path, custom_objects={"PlainNet": PlainNet}
+    )
+    assert isinstance(loaded, keras_accum.AccumModel)
+    assert loaded.accum_steps == model.accum_steps
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
+    )
+
+
+def test_weights_load_into_the_plain_model():
+    x, y = regression_data()
+    accum = accum_mlp(K)
+    accum.compile(optimizer="adam", loss="mse")
+    accum.fit(x, y, batch_size=B, verbose=0)
+    plain = mlp(seed=7)
+    plain.set_weights(accum.get_weights())
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), accum.predict(x, verbose=0), atol=1e-6
+    )
+    # The accumulators are not weights of the model.
+    assert len(accum.weights) == len(plain.weights)
+    assert len(accum.accumulators) == len(accum.trainable_weights)

@@ -1,0 +1,157 @@
+"""The TF1 prototype's checks, ported: what the project was founded on.
+
+The prototype showed (1) that gradients accumulated one example at a time
+equal the full-batch gradient to < 1e-7 for 1, 10 and 64 examples, and
+(2) that batch 64 x 1 step and batch 1 x 64 steps train to the same
+accuracy and the same loss mean and standard deviation.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _helpers import UpdateRecorder
+
+import keras_accum
+
+FEATURES, CLASSES = 20, 3
+
+
+def data(n, seed=0):
+    # Pixel-like inputs in [0, 1], as the prototype's MNIST images were.
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(size=(n, FEATURES)).astype("float32")
+    w = rng.normal(size=(FEATURES, CLASSES)).astype("float32")
+    y = np.argmax((x - 0.5) @ w + 0.3 * rng.normal(size=(n, CLASSES)), axis=1)
+    return x, y.astype("int32")
+
+
+def softmax_regression(model_cls=keras.Model, seed=42, **kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    outputs = keras.layers.Dense(CLASSES, activation="softmax")(inputs)
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_data_is_deterministic():
+    a, b = data(64), data(64)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_same_initial_weights_after_recreating_the_model():
+    first = softmax_regression(keras_accum.AccumModel, accum_steps=4)
+    second = softmax_regression(keras.Model)
+    for u, v in zip(first.get_weights(), second.get_weights(), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_accumulators_mirror_the_trainable_variables():
+    model = softmax_regression(keras_accum.AccumModel, accum_steps=4)
+    x, y = data(8)
+    model.fit(x, y, batch_size=1, verbose=0)
+    accumulators = model.accumulators
+    assert len(accumulators) == len(model.trainable_weights) == 2
+    for acc, var in zip(accumulators, model.trainable_weights, strict=True):
+        assert tuple(acc.shape) == tuple(var.shape)
+        assert acc.dtype == "float32"
+        assert not acc.trainable
+    # 8 micro-batches, windows of 4: both applied, accumulators empty.
+    assert model.mini_step == 0
+    assert all(np.all(acc.numpy() == 0) for acc in accumulators)
+
+
+@pytest.mark.parametrize("examples", [1, 10, 64])
+def test_accumulated_gradient_equals_full_batch_gradient(examples, report_diff):
+    x, y = data(examples)
+    # A window longer than the data, carried past the epoch's end, stays
+    # open to be inspected.
+    model = softmax_regression(
+        keras_accum.AccumModel, accum_steps=examples + 1, partial_window="carry"
+    )
+    model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert model.mini_step == examples
+    assert int(model.optimizer.iterations) == 0
+    # Each one-example micro-batch weighs 1: the window mean is sum / count.
+    accumulated = [acc.numpy() / examples for acc in model.accumulators]
+
+    reference = softmax_regression(keras.Model)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.sparse_categorical_crossentropy(
+            y, reference(x, training=True)
+        )
+        loss = tf.reduce_mean(loss)
+    full_batch = tape.gradient(loss, reference.trainable_weights)
+    diff = max(
+        float(np.max(np.abs(a - g.numpy())))
+        for a, g in zip(accumulated, full_batch, strict=True)
+    )
+    report_diff(diff)
+    assert diff < 1e-7
+
+
+def _pseudo_batch_losses(updates, initial, x, y, window):
+    """The loss each update saw: its window, under the weights before it."""
+    model = softmax_regression(keras.Model)
+    losses = []
+    weights = initial
+    for i, (_, after) in enumerate(updates):
+        model.set_weights(weights)
+        xs, ys = (
+            x[i * window : (i + 1) * window],
+            y[i * window : (i + 1) * window],
+        )
+        losses.append(
+            float(model.evaluate(xs, ys, batch_size=window, verbose=0)[0])
+        )
+        weights = after
+    return np.array(losses)
+
+
+def test_batch_64_x_1_equals_batch_1_x_64(report_diff):
+    updates, window = 50, 64
+    x, y = data(updates * window)
+    large = softmax_regression(keras.Model)
+    initial = large.get_weights()
+    small = softmax_regression(keras_accum.AccumModel, accum_steps=window)
+    large_rec, small_rec = UpdateRecorder(), UpdateRecorder()
+    large.fit(
+        x, y, batch_size=window, shuffle=False, verbose=0, callbacks=[large_rec]
+    )
+    small.fit(
+        x, y, batch_size=1, shuffle=False, verbose=0, callbacks=[small_rec]
+    )
+    assert len(small_rec.updates) == len(large_rec.updates) == updates
+
+    diff = max(
+        float(np.max(np.abs(u - v)))
+        for u, v in zip(large.get_weights(), small.get_weights(), strict=True)
+    )
+    report_diff(diff)
+    np.testing.assert_allclose(
+        small.get_weights()[0], large.get_weights()[0], atol=1e-5
+    )
+    _, large_acc = large.evaluate(x, y, verbose=0)
+    _, small_acc = small.evaluate(x, y, verbose=0)
+    assert small_acc == large_acc
+
+    large_losses = _pseudo_batch_losses(
+        large_rec.updates, initial, x, y, window
+    )
+    small_losses = _pseudo_batch_losses(
+        small_rec.updates, initial, x, y, window
+    )
+    np.testing.assert_allclose(
+        small_losses.mean(), large_losses.mean(), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        small_losses.std(), large_losses.std(), rtol=1e-4
+    )
+    # Training did something: the loss fell.
+    assert large_losses[-10:].mean() < 0.8 * large_losses[:10].mean()
