@@ -55,7 +55,9 @@ def main():
 
     diff = max(
         float(np.max(np.abs(a - b)))
-        for a, b in zip(model.get_weights(), reference.get_weights())
+        for a, b in zip(
+            model.get_weights(), reference.get_weights(), strict=True
+        )
     )
     print(
         f"optimizer updates: accumulated {int(model.optimizer.iterations)}, "

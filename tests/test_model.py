@@ -8,8 +8,8 @@ from _helpers import (
     accum_mlp,
     assert_same_weights,
     classification_data,
-    mlp,
     max_weight_diff,
+    mlp,
     regression_data,
     train_pair,
 )
