@@ -16,6 +16,8 @@ import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 ACC_DTYPE = "float32"
+# Updates remembered for `PseudoBatchLogger` between two reads.
+LOG_CAPACITY = 256
 
 
 def _state_variable(name, shape, dtype, aggregation):
@@ -49,6 +51,13 @@ class WindowState:
             does not retrace.
         skipped_windows: Windows dropped because their gradient was not
             finite.
+        acc_loss: The window's loss so far, weighted like the gradients.
+        acc_samples: Samples in the window so far.
+        log_loss, log_samples, log_update: A ring of the last
+            `LOG_CAPACITY` updates' pseudo-batch loss, sample count and
+            `optimizer.iterations` after the update, published in the graph
+            for `PseudoBatchLogger`.
+        log_count: Updates published so far (the ring's write position).
     """
 
     def __init__(self, trainable_variables, accum_steps, strategy):
@@ -61,6 +70,10 @@ class WindowState:
             ]
             self.acc_normalizer = _state_variable(
                 "acc_normalizer", (), ACC_DTYPE, "sum"
+            )
+            self.acc_loss = _state_variable("acc_loss", (), ACC_DTYPE, "sum")
+            self.acc_samples = _state_variable(
+                "acc_samples", (), ACC_DTYPE, "sum"
             )
             # Counters agree on every replica; read the first one.
             first = "only_first_replica"
@@ -75,6 +88,16 @@ class WindowState:
             self.skipped_windows = _state_variable(
                 "skipped_windows", (), "int64", first
             )
+            self.log_loss = _state_variable(
+                "log_loss", (LOG_CAPACITY,), ACC_DTYPE, first
+            )
+            self.log_samples = _state_variable(
+                "log_samples", (LOG_CAPACITY,), ACC_DTYPE, first
+            )
+            self.log_update = _state_variable(
+                "log_update", (LOG_CAPACITY,), "int64", first
+            )
+            self.log_count = _state_variable("log_count", (), "int64", first)
         self.window_length.assign(accum_steps)
 
     @property
@@ -82,16 +105,22 @@ class WindowState:
         return [
             *self.acc_grads,
             self.acc_normalizer,
+            self.acc_loss,
+            self.acc_samples,
             self.mini_step,
             self.epoch_step,
             self.steps_per_epoch,
             self.window_length,
             self.skipped_windows,
+            self.log_loss,
+            self.log_samples,
+            self.log_update,
+            self.log_count,
         ]
 
     # -- Inside the train step (replica context) ---------------------------
 
-    def accumulate(self, grads, normalizer):
+    def accumulate(self, grads, normalizer, loss, samples):
         for acc, grad in zip(self.acc_grads, grads, strict=True):
             if grad is None:
                 continue
@@ -99,6 +128,8 @@ class WindowState:
             # accumulator is dense anyway.
             acc.assign_add(tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE))
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
+        self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
+        self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
         self.mini_step.assign_add(1)
         self.epoch_step.assign_add(1)
 
@@ -150,16 +181,19 @@ class WindowState:
         )
 
     def _apply(self, optimizer, variables, sum_mode, none_grads):
+        # The window's totals over all replicas: three scalar all-reduces
+        # per update, beside the optimizer's own.
+        total = _all_reduce_sum(self.acc_normalizer.value)
+        window_loss = _all_reduce_sum(self.acc_loss.value)
+        samples = _all_reduce_sum(self.acc_samples.value)
         if sum_mode:
             grads = [acc.value for acc in self.acc_grads]
         else:
-            # The window's total normaliser over all replicas: one scalar
-            # all-reduce per update, beside the optimizer's own.
-            total = _all_reduce_sum(self.acc_normalizer.value)
             grads = [
                 tf.math.divide_no_nan(acc.value, total)
                 for acc in self.acc_grads
             ]
+            window_loss = tf.math.divide_no_nan(window_loss, total)
         grads = [
             tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)
         ]
@@ -182,12 +216,25 @@ class WindowState:
         self.skipped_windows.assign_add(
             tf.cast(tf.logical_not(finite), "int64")
         )
+        self._publish(window_loss, samples, optimizer.iterations)
         self.reset_window()
+
+    def _publish(self, window_loss, samples, iterations):
+        slot = [[self.log_count.value % LOG_CAPACITY]]
+        for ring, value in (
+            (self.log_loss, tf.cast(window_loss, ACC_DTYPE)),
+            (self.log_samples, samples),
+            (self.log_update, tf.cast(iterations, "int64")),
+        ):
+            ring.assign(tf.tensor_scatter_nd_update(ring.value, slot, [value]))
+        self.log_count.assign_add(1)
 
     def reset_window(self):
         for acc in self.acc_grads:
             acc.assign(tf.zeros_like(acc.value))
         self.acc_normalizer.assign(0.0)
+        self.acc_loss.assign(0.0)
+        self.acc_samples.assign(0.0)
         self.mini_step.assign(0)
 
 

@@ -326,9 +326,11 @@ class AccumModel(keras.Model):
     ):
         epoch_callback = _WindowEpochs(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
+            epoch_callback.set_loggers(callbacks.callbacks)
             callbacks.callbacks.insert(0, epoch_callback)
             epoch_callback.set_model(self)
         else:
+            epoch_callback.set_loggers(callbacks or [])
             # First, so that epoch-end callbacks see the applied window.
             callbacks = [epoch_callback, *(callbacks or [])]
         return super().fit(
@@ -457,6 +459,7 @@ class AccumModel(keras.Model):
             objective, normalizer = self._window_objective(
                 loss, y, y_pred, sample_weight, batch_size, window
             )
+            window_loss_term = objective
             if self.optimizer is not None:
                 objective = self.optimizer.scale_loss(objective)
 
@@ -472,7 +475,7 @@ class AccumModel(keras.Model):
         trainable_weights = self.trainable_weights
         gradients = tape.gradient(objective, trainable_weights)
         self._window_none_grads = [g is None for g in gradients]
-        window.accumulate(gradients, normalizer)
+        window.accumulate(gradients, normalizer, window_loss_term, batch_size)
 
         # Apply: once per window, inside the compiled step.
         window.maybe_apply(
@@ -615,6 +618,14 @@ class _WindowEpochs(keras.callbacks.Callback):
     def __init__(self, model: AccumModel):
         super().__init__()
         self._accum_model = model
+        self._loggers = []
+
+    def set_loggers(self, callbacks):
+        # Callbacks that add to the epoch logs (`PseudoBatchLogger`): run
+        # here, first of all, so every later callback sees their keys.
+        self._loggers = [
+            cb for cb in callbacks if hasattr(cb, "_on_window_epoch_end")
+        ]
 
     def on_train_begin(self, logs=None):
         self._accum_model._set_steps_per_epoch(self.params.get("steps"))
@@ -626,6 +637,8 @@ class _WindowEpochs(keras.callbacks.Callback):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
+        for logger in self._loggers:
+            logger._on_window_epoch_end(logs)
 
     def on_train_end(self, logs=None):
         self._accum_model._set_steps_per_epoch(0)

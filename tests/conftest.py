@@ -32,6 +32,8 @@ def report_diff(request):
 def pytest_terminal_summary(terminalreporter):
     if not _EQUIVALENCE:
         return
-    terminalreporter.section("equivalence: max |weight difference|")
+    terminalreporter.section(
+        "equivalence with plain large-batch training: max |difference|"
+    )
     for label, value in _EQUIVALENCE:
         terminalreporter.write_line(f"{value:10.3e}  {label}")

@@ -1,0 +1,210 @@
+"""`PseudoBatchLogger`: the loss of what each update saw."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import keras
+import numpy as np
+
+
+class PseudoBatch(NamedTuple):
+    """One optimizer update of an `AccumModel`, as `PseudoBatchLogger` saw it.
+
+    Attributes:
+        update: `optimizer.iterations` right after the update (1 for the
+            first update of a fresh optimizer).
+        loss: The pseudo-batch loss: the loss of the window's samples at the
+            weights before the update, reduced as the compiled loss reduces
+            a batch (regularization included).
+        samples: Samples in the window.
+    """
+
+    update: int
+    loss: float
+    samples: int
+
+
+class PseudoBatchLogger(keras.callbacks.Callback):
+    """Logs pseudo-batch loss statistics of an `AccumModel`'s training.
+
+    A *pseudo-batch* is one accumulation window: the `accum_steps`
+    micro-batches one optimizer update sees. Its loss is computed inside the
+    compiled train step, from the same micro-batch losses the gradients
+    come from, weighted as the gradients are, and published once per
+    update. It equals the per-step loss that a plain `keras.Model` training
+    on the equivalent large batches computes, which Keras's running-mean
+    `logs["loss"]` does not show. Epoch-end partial windows, sample weights
+    and `steps_per_execution > 1` (callbacks firing once per several
+    updates) are all counted exactly.
+
+    At each epoch end the callback adds to the epoch's logs:
+
+    - `pseudo_batch_loss_mean`: the mean pseudo-batch loss of the epoch's
+      updates;
+    - `pseudo_batch_loss_std`: their population standard deviation.
+
+    Both are NaN for an epoch without updates (possible only with
+    `partial_window="carry"`). The keys are added before any other callback
+    sees the epoch's logs, wherever this callback sits in the `callbacks`
+    list, so `History`, `CSVLogger`, `TensorBoard`, `EarlyStopping` and the
+    progress bar all receive them.
+
+    The per-update series is kept in `updates`, a list of `PseudoBatch`
+    `(update, loss, samples)`, across epochs and `fit` calls. With
+    `log_dir`, each update's loss is also written as the TensorBoard scalar
+    `pseudo_batch_loss` at step `update`.
+
+    With `accum_steps=1` every batch is a pseudo-batch. A plain
+    `keras.Model` computes no pseudo-batch loss: using this callback with
+    one raises a `TypeError` at the start of `fit` (use
+    `AccumModel(..., accum_steps=1)` or `AccumModel.from_model` to log a
+    plain training run).
+
+    Args:
+        log_dir: String or `None`. Directory for TensorBoard event files of
+            the per-update losses. Defaults to `None` (no files).
+
+    Example:
+
+    ```python
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=64)
+    model.compile(optimizer="sgd", loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    history = model.fit(x, y, batch_size=1, callbacks=[logger])
+    history.history["pseudo_batch_loss_mean"]  # One value per epoch.
+    [u.loss for u in logger.updates]  # One value per update.
+    ```
+    """
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        super().__init__()
+        if log_dir is not None:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError as error:
+                raise ImportError(
+                    "`PseudoBatchLogger(log_dir=...)` writes TensorBoard "
+                    "event files and needs the `tensorboard` package: "
+                    f"pip install tensorboard. Received: log_dir={log_dir!r}"
+                ) from error
+        self.log_dir = log_dir
+        self.updates: list[PseudoBatch] = []
+        self._read = 0
+        self._epoch_start = 0
+        self._batches_since_read = 0
+        self._read_every = 1
+        self._writer = None
+
+    def set_model(self, model):
+        from keras_accum.model import AccumModel
+
+        if not isinstance(model, AccumModel):
+            raise TypeError(
+                "`PseudoBatchLogger` needs a `keras_accum.AccumModel`, whose "
+                "train step computes the pseudo-batch loss; for one update "
+                "per batch use `AccumModel(..., accum_steps=1)` or "
+                "`AccumModel.from_model(model, accum_steps=1)`. Received: "
+                f"model of type {type(model).__name__}."
+            )
+        super().set_model(model)
+
+    # -- Callback hooks ------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        window = self.model._window
+        self._read = 0 if window is None else _read_int(window.log_count)
+        from keras_accum._tf_window import LOG_CAPACITY
+
+        # Read the ring before it can wrap: a callback fires after at most
+        # `steps_per_execution` steps, each closing at most one window.
+        per_callback = (
+            math.ceil(self.model.steps_per_execution / self.model.accum_steps)
+            + 1
+        )
+        self._read_every = max(1, (LOG_CAPACITY // 2) // per_callback)
+        self._batches_since_read = 0
+        if self.log_dir is not None and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = len(self.updates)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches_since_read += 1
+        if self._batches_since_read >= self._read_every:
+            self._drain()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Normally done already, first of all callbacks, by the model.
+        self._on_window_epoch_end(logs)
+
+    def on_train_end(self, logs=None):
+        self._drain()
+        if self._writer is not None:
+            self._writer.flush()
+
+    # -- Called by AccumModel before every other epoch-end callback --------
+
+    def _on_window_epoch_end(self, logs):
+        self._drain()
+        if logs is None:
+            return
+        losses = np.array(
+            [u.loss for u in self.updates[self._epoch_start :]], "float64"
+        )
+        if losses.size:
+            logs["pseudo_batch_loss_mean"] = float(losses.mean())
+            logs["pseudo_batch_loss_std"] = float(losses.std())
+        else:
+            logs["pseudo_batch_loss_mean"] = float("nan")
+            logs["pseudo_batch_loss_std"] = float("nan")
+
+    def _drain(self):
+        """Moves the updates published in the graph into `updates`."""
+        self._batches_since_read = 0
+        window = self.model._window
+        if window is None:
+            return
+        from keras_accum._tf_window import LOG_CAPACITY
+
+        count = _read_int(window.log_count)
+        if count < self._read:  # The state was rebuilt by `compile()`.
+            self._read = 0
+        if count == self._read:
+            return
+        first = max(self._read, count - LOG_CAPACITY)
+        if first > self._read:
+            warnings.warn(
+                f"PseudoBatchLogger missed {first - self._read} updates.",
+                stacklevel=2,
+            )
+        losses = window.log_loss.numpy()
+        samples = window.log_samples.numpy()
+        steps = window.log_update.numpy()
+        new = []
+        for i in range(first, count):
+            slot = i % LOG_CAPACITY
+            new.append(
+                PseudoBatch(
+                    int(steps[slot]), float(losses[slot]), int(samples[slot])
+                )
+            )
+        self.updates.extend(new)
+        self._read = count
+        if self._writer is not None:
+            import tensorflow as tf
+
+            with self._writer.as_default():
+                for item in new:
+                    tf.summary.scalar(
+                        "pseudo_batch_loss", item.loss, step=item.update
+                    )
+
+
+def _read_int(variable) -> int:
+    return int(np.asarray(variable.numpy()))

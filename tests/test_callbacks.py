@@ -1,0 +1,181 @@
+"""PseudoBatchLogger: each update's loss equals the plain large-batch step's."""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _helpers import UpdateRecorder, accum_mlp, mlp, regression_data
+
+import keras_accum
+
+B, K = 8, 4
+
+
+def plain_step_losses(x, y, sample_weight=None, epochs=2, **compile_kwargs):
+    """A plain model's per-step loss at batch B*K: each batch's loss at the
+    weights before its update, evaluated independently of Keras's logs."""
+    model = mlp(
+        layer_kwargs={"kernel_regularizer": keras.regularizers.L2(0.01)}
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    probe = mlp(
+        layer_kwargs={"kernel_regularizer": keras.regularizers.L2(0.01)}
+    )
+    probe.compile(loss="mse")
+    before = [model.get_weights()]
+    recorder = UpdateRecorder()
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=B * K,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    before += [w for _, w in recorder.updates]
+    losses, per_epoch = [], int(np.ceil(len(x) / (B * K)))
+    for step in range(len(recorder.updates)):
+        start = (step % per_epoch) * B * K
+        stop = min(start + B * K, len(x))
+        probe.set_weights(before[step])
+        sw = None if sample_weight is None else sample_weight[start:stop]
+        losses.append(
+            probe.evaluate(
+                x[start:stop],
+                y[start:stop],
+                sample_weight=sw,
+                batch_size=B * K,
+                verbose=0,
+            )
+        )
+    return np.array(losses).reshape(epochs, per_epoch)
+
+
+def accum_logged(x, y, sample_weight=None, epochs=2, **compile_kwargs):
+    model = accum_mlp(
+        K, layer_kwargs={"kernel_regularizer": keras.regularizers.L2(0.01)}
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", **compile_kwargs
+    )
+    logger = keras_accum.PseudoBatchLogger()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=B,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    return logger, history.history
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pseudo_batch_losses_equal_plain_large_batch_steps(
+    steps_per_execution, weighted, report_diff
+):
+    # 70 samples: each epoch ends with a partial window of 6 samples.
+    x, y = regression_data(n=70)
+    sw = None
+    if weighted:
+        sw = np.random.default_rng(2).uniform(0, 2, len(x)).astype("float32")
+    expected = plain_step_losses(x, y, sample_weight=sw)
+    logger, history = accum_logged(
+        x, y, sample_weight=sw, steps_per_execution=steps_per_execution
+    )
+    got = np.array([u.loss for u in logger.updates]).reshape(expected.shape)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    report_diff(
+        np.max(np.abs(got - expected)),
+        "pseudo-batch loss, "
+        + (f"steps_per_execution={steps_per_execution}, weighted={weighted}"),
+    )
+    assert [u.update for u in logger.updates] == list(range(1, 7))
+    assert [u.samples for u in logger.updates] == [32, 32, 6] * 2
+    np.testing.assert_allclose(
+        history["pseudo_batch_loss_mean"], expected.mean(axis=1), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        history["pseudo_batch_loss_std"], expected.std(axis=1), rtol=1e-4
+    )
+
+
+def test_keys_reach_callbacks_listed_before_the_logger(tmp_path):
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    path = tmp_path / "log.csv"
+    seen = {}
+    spy = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.update(logs)
+    )
+    logger = keras_accum.PseudoBatchLogger()
+    model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras.callbacks.CSVLogger(str(path)), spy, logger],
+    )
+    assert "pseudo_batch_loss_mean" in seen and "pseudo_batch_loss_std" in seen
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    epoch_two = [u.loss for u in logger.updates[2:]]
+    np.testing.assert_allclose(
+        float(rows[1]["pseudo_batch_loss_mean"]), np.mean(epoch_two), rtol=1e-6
+    )
+
+
+def test_accum_steps_one_logs_every_batch():
+    x, y = regression_data(n=64)
+    model = accum_mlp(1)
+    model.compile(optimizer="sgd", loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    model.fit(x, y, batch_size=B, verbose=0, callbacks=[logger])
+    assert [u.update for u in logger.updates] == list(range(1, 9))
+    assert all(u.samples == B for u in logger.updates)
+
+
+def test_plain_model_is_refused():
+    x, y = regression_data(n=16)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="AccumModel"):
+        model.fit(x, y, callbacks=[keras_accum.PseudoBatchLogger()], verbose=0)
+
+
+def test_long_epochs_do_not_lose_updates():
+    # More updates per epoch than the in-graph ring holds (256).
+    x, y = regression_data(n=700)
+    model = accum_mlp(1)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    logger = keras_accum.PseudoBatchLogger()
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[logger])
+    assert [u.update for u in logger.updates] == list(range(1, 351))
+
+
+def test_tensorboard_scalars_per_update(tmp_path):
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    logger = keras_accum.PseudoBatchLogger(log_dir=str(tmp_path))
+    model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
+    events = []
+    for path in tmp_path.glob("events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.tag == "pseudo_batch_loss":
+                    number = tf.make_ndarray(value.tensor)
+                    events.append((event.step, float(number)))
+    assert events == [(u.update, pytest.approx(u.loss)) for u in logger.updates]
+    assert len(events) == 4
