@@ -148,10 +148,12 @@ class WindowState:
     ):
         """Applies the window once if `should_apply`, in any replica context.
 
-        An optimizer apply calls `merge_call`, which may not sit inside a
-        per-replica `tf.cond`; where the strategy needs `merge_call`, the
-        conditional is moved to cross-replica context as Keras's
-        `LossScaleOptimizer` does.
+        An optimizer apply calls `merge_call` under most strategies, which
+        may not sit inside a per-replica `tf.cond`; there the conditionals
+        move to cross-replica context, as in Keras's `LossScaleOptimizer`.
+        Either way the replicas exchange one packed vector of window totals
+        per update, besides the optimizer's own gradient all-reduce, and
+        nothing per micro-step.
         """
         if (
             not tf.distribute.has_strategy()
@@ -167,63 +169,101 @@ class WindowState:
         def cross_replica(distribution, should_apply):
             # Every replica counts the same micro-steps: take the first.
             flag = distribution.experimental_local_results(should_apply)[0]
+            call = distribution.extended.call_for_each_replica
 
-            def apply_on_each_replica():
-                distribution.extended.call_for_each_replica(
-                    self._apply,
-                    args=(optimizer, variables, sum_mode, none_grads),
+            def apply_window():
+                totals = distribution.reduce(
+                    tf.distribute.ReduceOp.SUM,
+                    call(self._local_totals),
+                    axis=None,
+                )
+                finite = tf.equal(totals[3], 0.0)
+                grads = call(
+                    self._window_gradients,
+                    args=(totals, variables, sum_mode, optimizer),
                 )
 
-            tf.cond(flag, apply_on_each_replica, _nothing)
+                def apply_on_each_replica():
+                    call(
+                        _apply_gradients,
+                        args=(optimizer, grads, variables, none_grads),
+                    )
+
+                if isinstance(optimizer, LossScaleOptimizer):
+                    # It checks finiteness itself, skips, lowers its scale.
+                    apply_on_each_replica()
+                else:
+                    tf.cond(finite, apply_on_each_replica, _nothing)
+                call(self._finish, args=(totals, finite, sum_mode, optimizer))
+
+            tf.cond(flag, apply_window, _nothing)
 
         tf.distribute.get_replica_context().merge_call(
             cross_replica, args=(should_apply,)
         )
 
     def _apply(self, optimizer, variables, sum_mode, none_grads):
-        # The window's totals over all replicas: three scalar all-reduces
-        # per update, beside the optimizer's own.
-        total = _all_reduce_sum(self.acc_normalizer.value)
-        window_loss = _all_reduce_sum(self.acc_loss.value)
-        samples = _all_reduce_sum(self.acc_samples.value)
+        totals = _all_reduce_sum(self._local_totals())
+        finite = tf.equal(totals[3], 0.0)
+        grads = self._window_gradients(totals, variables, sum_mode, optimizer)
+        if isinstance(optimizer, LossScaleOptimizer):
+            # It checks finiteness itself, skips, and lowers its scale.
+            _apply_gradients(optimizer, grads, variables, none_grads)
+        else:
+            tf.cond(
+                finite,
+                lambda: _apply_gradients(
+                    optimizer, grads, variables, none_grads
+                ),
+                _nothing,
+            )
+        self._finish(totals, finite, sum_mode, optimizer)
+
+    def _local_totals(self):
+        """This replica's [normaliser, loss, samples, non-finite flag]."""
+        grads_finite = _all_finite([acc.value for acc in self.acc_grads])
+        return tf.stack(
+            [
+                self.acc_normalizer.value,
+                self.acc_loss.value,
+                self.acc_samples.value,
+                tf.cast(tf.logical_not(grads_finite), ACC_DTYPE),
+            ]
+        )
+
+    def _window_gradients(self, totals, variables, sum_mode, optimizer):
+        """This replica's share of the window's gradient.
+
+        Summed over replicas by the optimizer, the shares give the window's
+        sum (sum reductions) or its mean over all replicas' normalisers.
+        """
         if sum_mode:
             grads = [acc.value for acc in self.acc_grads]
         else:
             grads = [
-                tf.math.divide_no_nan(acc.value, total)
+                tf.math.divide_no_nan(acc.value, totals[0])
                 for acc in self.acc_grads
             ]
-            window_loss = tf.math.divide_no_nan(window_loss, total)
         grads = [
             tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)
         ]
-        finite = _all_finite(grads)
-        # A variable the loss never reached gets `None`, as in a plain
-        # step: no momentum decay, no weight decay for it.
-        grads = [
-            None if none else g
-            for g, none in zip(grads, none_grads, strict=True)
-        ]
-        if isinstance(optimizer, LossScaleOptimizer):
-            # It checks finiteness itself, skips, and lowers its scale.
-            optimizer.apply(grads, variables)
-        else:
-            tf.cond(
-                finite,
-                lambda: optimizer.apply(grads, variables),
-                _nothing,
-            )
+        return _clip_across_replicas(optimizer, grads)
+
+    def _finish(self, totals, finite, sum_mode, optimizer):
+        window_loss = totals[1]
+        if not sum_mode:
+            window_loss = tf.math.divide_no_nan(window_loss, totals[0])
         self.skipped_windows.assign_add(
             tf.cast(tf.logical_not(finite), "int64")
         )
-        self._publish(window_loss, samples, optimizer.iterations)
+        self._publish(window_loss, totals[2], optimizer.iterations)
         self.reset_window()
 
     def _publish(self, window_loss, samples, iterations):
         slot = [[self.log_count.value % LOG_CAPACITY]]
         for ring, value in (
             (self.log_loss, tf.cast(window_loss, ACC_DTYPE)),
-            (self.log_samples, samples),
+            (self.log_samples, tf.cast(samples, ACC_DTYPE)),
             (self.log_update, tf.cast(iterations, "int64")),
         ):
             ring.assign(tf.tensor_scatter_nd_update(ring.value, slot, [value]))
@@ -240,6 +280,41 @@ class WindowState:
 
 def _nothing():
     return None
+
+
+def _apply_gradients(optimizer, grads, variables, none_grads):
+    # A variable the loss never reached gets `None`, as in a plain step:
+    # no momentum decay and no weight decay for it.
+    grads = [
+        None if none else g for g, none in zip(grads, none_grads, strict=True)
+    ]
+    optimizer.apply(grads, variables)
+
+
+def _clip_across_replicas(optimizer, grads):
+    """Clips the window's whole gradient when replicas hold shares of it.
+
+    Keras clips each replica's gradient before summing them, which is not
+    clipping the sum. With clipping configured and several replicas, sum
+    the shares here (one extra gradient all-reduce per update), clip with
+    the optimizer's own rules, and hand each replica 1/R of the result:
+    the optimizer's clipping then finds nothing above its threshold and its
+    all-reduce restores the clipped sum.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return grads
+    if isinstance(optimizer, LossScaleOptimizer):
+        # Its gradients are still loss-scaled here; see the docs' limits.
+        return grads
+    if not (
+        optimizer.clipnorm or optimizer.clipvalue or optimizer.global_clipnorm
+    ):
+        return grads
+    grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+    grads = optimizer._clip_gradients(grads)
+    replicas = tf.cast(ctx.num_replicas_in_sync, grads[0].dtype)
+    return [g / tf.cast(replicas, g.dtype) for g in grads]
 
 
 def _all_reduce_sum(value):

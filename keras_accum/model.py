@@ -374,26 +374,40 @@ class AccumModel(keras.Model):
     # -- Building the window state before tracing ---------------------------
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        if self._distribute_strategy is None and not self._all_built():
-            # Without a strategy Keras builds on the first trace; the
-            # accumulators must exist before it, so build from the
-            # dataset's element spec (no batch is consumed).
+        # The accumulators must exist before the step is traced, so build
+        # now. From the dataset's element spec when possible: no batch is
+        # consumed, and Keras's own path (3.15) reduces a real batch with
+        # `strategy.reduce`, which fails under MultiWorkerMirroredStrategy
+        # (keras-team/keras#20585).
+        if not self._all_built():
             spec = data_batch
             if spec is None and iterator is not None:
-                dataset = getattr(iterator, "_distributed_dataset", None)
-                spec = getattr(dataset, "element_spec", None)
+                spec = _element_spec(iterator)
             if spec is not None:
                 try:
-                    self._symbolic_build(data_batch=spec)
+                    with self.distribute_strategy.scope():
+                        self._symbolic_build(data_batch=spec)
                 except Exception:  # noqa: BLE001
-                    # Left to the first trace, as in Keras.
+                    # Left to Keras: a strategy's batch, or the first trace.
                     pass
+        if not self._all_built():
+            super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
         self._ensure_window()
 
     def _all_built(self):
-        return all(layer.built for layer in self._flatten_layers()) and (
-            getattr(self, "optimizer", None) is None or self.optimizer.built
+        optimizer = getattr(self, "optimizer", None)
+        return (
+            all(layer.built for layer in self._flatten_layers())
+            and (optimizer is None or optimizer.built)
+            and all(
+                part is None or part.built
+                for part in (
+                    getattr(self, "_compile_loss", None),
+                    getattr(self, "_compile_metrics", None),
+                )
+            )
         )
 
     def _ensure_window(self):
@@ -486,7 +500,28 @@ class AccumModel(keras.Model):
             self._window_none_grads,
         )
 
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self._logs_for_strategy(
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        )
+
+    def test_step(self, data):
+        return self._logs_for_strategy(super().test_step(data))
+
+    def _logs_for_strategy(self, logs):
+        """Works around Keras 3.15 reducing scalar logs with `axis=0`.
+
+        Under MultiWorkerMirroredStrategy Keras averages each replica's logs
+        with `strategy.reduce("MEAN", value, axis=0)`, which fails for the
+        scalars every metric returns; one-element vectors average to the
+        same scalar.
+        """
+        import tensorflow as tf
+
+        if not _multi_worker(self.distribute_strategy):
+            return logs
+        return tree.map_structure(
+            lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
+        )
 
     def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
         """Returns (what to differentiate, this micro-batch's normaliser).
@@ -605,6 +640,23 @@ class AccumModel(keras.Model):
     def _start_epoch(self):
         if self._window is not None:
             self._window.epoch_step.assign(0)
+
+
+def _multi_worker(strategy) -> bool:
+    import tensorflow as tf
+
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and bool(strategy.extended._in_multi_worker_mode())
+
+
+def _element_spec(iterator):
+    """The element spec of the data behind a Keras epoch iterator, if any."""
+    adapter = getattr(iterator, "data_adapter", None)
+    try:
+        return adapter.get_tf_dataset().element_spec
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _single(sample_weight):

@@ -1,0 +1,138 @@
+"""Runs equivalence cases under a tf.distribute strategy; prints JSON.
+
+Started in a fresh process by `test_distribute.py`, because logical devices
+and multi-worker collectives must be configured before TensorFlow starts:
+
+    python _distributed_worker.py mirrored
+    TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
+
+Each case trains an `AccumModel` under the strategy (global micro-batch
+B = 8, accum_steps = 4) and a plain `keras.Model` on one device at batch
+32, from the same initial weights on the same 70 samples, and reports the
+max weight difference and both update counts.
+
+Not run: `jit_compile=True` and `steps_per_execution > 1`, which plain
+Keras 3.15 models also fail under `MirroredStrategy` on CPU devices
+(InvalidArgumentError, "You must feed a value for placeholder tensor").
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+MODE = sys.argv[1]
+if MODE == "mirrored":
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+else:
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+
+keras.config.disable_traceback_filtering()
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _helpers import accum_mlp, mlp, regression_data  # noqa: E402
+
+import keras_accum  # noqa: E402
+
+B, K = 8, 4
+
+
+def optimizer(name):
+    return {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adamw_clip": lambda: keras.optimizers.AdamW(
+            0.01, weight_decay=0.1, global_clipnorm=0.1
+        ),
+    }[name]()
+
+
+def case(name, opt="adam", weighted=False, unknown_length=False, **compile):
+    x, y = regression_data(n=70)
+    sw = None
+    if weighted:
+        sw = np.random.default_rng(3).uniform(0, 2, len(x)).astype("float32")
+    plain = mlp()
+    plain.compile(optimizer=optimizer(opt), loss="mse")
+    plain.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=B * K,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    with STRATEGY.scope():
+        accum = accum_mlp(K)
+        accum.compile(optimizer=optimizer(opt), loss="mse", **compile)
+    logger = keras_accum.PseudoBatchLogger()
+    if unknown_length:
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        data = data.filter(lambda a, b: True).batch(B)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        accum.fit(
+            data.with_options(options), epochs=2, verbose=0, callbacks=[logger]
+        )
+    else:
+        accum.fit(
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=B,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[logger],
+        )
+    diff = max(
+        float(np.max(np.abs(u - v)))
+        for u, v in zip(plain.get_weights(), accum.get_weights(), strict=True)
+    )
+    return {
+        "case": name,
+        "max_weight_diff": diff,
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "open_window": accum.mini_step,
+        # Summed over replicas: 32 per full window if the replicas split
+        # each global micro-batch, twice that if each saw all of it.
+        "window_samples": [u.samples for u in logger.updates],
+        # Accumulators are per replica: nothing crosses devices per step.
+        "accumulator_kind": type(accum.accumulators[0]._value).__name__,
+    }
+
+
+def main():
+    results = {
+        "replicas": STRATEGY.num_replicas_in_sync,
+        "cases": [
+            case("adam"),
+            case("sgd_momentum_sample_weight", "sgd_momentum", weighted=True),
+            case("adamw_weight_decay_global_clipnorm", "adamw_clip"),
+            case("unknown_length_dataset", "sgd_momentum", unknown_length=True),
+        ],
+    }
+    text = json.dumps(results)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            f.write(text)
+    print("RESULTS " + text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

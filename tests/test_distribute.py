@@ -1,0 +1,124 @@
+"""tf.distribute: global micro-batch B x k over R replicas equals batch B*k.
+
+Each strategy runs in fresh processes (`_distributed_worker.py`): logical
+CPU devices and multi-worker collectives must be set up before TensorFlow
+starts. The worker compares against a single-device plain `keras.Model`.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_distributed_worker.py")
+CASES = {
+    "adam",
+    "sgd_momentum_sample_weight",
+    "adamw_weight_decay_global_clipnorm",
+    "unknown_length_dataset",
+}
+
+
+def _env(**extra):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **extra}
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _check(results, report_diff, label):
+    assert results["replicas"] == 2
+    assert {c["case"] for c in results["cases"]} == CASES
+    for case in results["cases"]:
+        report_diff(case["max_weight_diff"], f"{label}: {case['case']}")
+        assert case["max_weight_diff"] < 1e-6, case
+        # 2 epochs of 70 samples at global batch 32: 3 updates each.
+        assert case["updates"] == case["plain_updates"] == 6, case
+        assert case["open_window"] == 0, case
+        # The replicas split the data: 32 samples per window in all.
+        assert case["window_samples"] == [32, 32, 6] * 2, case
+        assert case["accumulator_kind"] == "SyncOnReadVariable", case
+
+
+def test_mirrored_strategy_two_logical_cpus(report_diff):
+    result = subprocess.run(
+        [sys.executable, str(WORKER), "mirrored"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(
+        x for x in result.stdout.splitlines() if x.startswith("RESULTS ")
+    )
+    _check(json.loads(line[len("RESULTS ") :]), report_diff, "Mirrored, 2 CPUs")
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_multi_worker_mirrored_two_processes(tmp_path, report_diff):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    processes, outputs = [], []
+    started = time.perf_counter()
+    try:
+        for index in range(2):
+            tf_config = {
+                "cluster": cluster,
+                "task": {"type": "worker", "index": index},
+            }
+            out = tmp_path / f"worker{index}.json"
+            log = open(tmp_path / f"worker{index}.log", "w")  # noqa: SIM115
+            outputs.append((out, log))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), "multi_worker", str(out)],
+                    env=_env(TF_CONFIG=json.dumps(tf_config)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = started + 600
+        for process in processes:
+            process.wait(timeout=max(1, deadline - time.perf_counter()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for _, log in outputs:
+            log.close()
+    elapsed = time.perf_counter() - started
+    for index, process in enumerate(processes):
+        log_text = (tmp_path / f"worker{index}.log").read_text()
+        assert process.returncode == 0, log_text[-3000:]
+    results = [json.loads(out.read_text()) for out, _ in outputs]
+    for result in results:
+        _check(
+            result, report_diff, f"MultiWorker, 2 processes ({elapsed:.0f}s)"
+        )
+    # Both workers hold the same model.
+    assert [c["max_weight_diff"] for c in results[0]["cases"]] == [
+        c["max_weight_diff"] for c in results[1]["cases"]
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
