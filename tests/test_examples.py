@@ -73,3 +73,11 @@ def test_mnist_equivalence_missing_data_is_one_clear_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert f"MNIST is not prepared in {env_dir}" in last
     assert "--data-dir" in last
+
+
+def test_distribute_mirrored_example():
+    result = run_example("distribute_mirrored.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "replicas: 2" in result.stdout
+    diff = float(result.stdout.split("one device:")[1].split()[0])
+    assert diff < 1e-5
