@@ -120,13 +120,15 @@ class WindowState:
 
     # -- Inside the train step (replica context) ---------------------------
 
-    def accumulate(self, grads, normalizer, loss, samples):
+    def accumulate(self, grads, weight, normalizer, loss, samples):
+        weight = tf.cast(weight, ACC_DTYPE)
         for acc, grad in zip(self.acc_grads, grads, strict=True):
             if grad is None:
                 continue
             # Embedding gradients (`IndexedSlices`) densify here: the
             # accumulator is dense anyway.
-            acc.assign_add(tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE))
+            grad = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
+            acc.assign_add(grad * weight)
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
         self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
         self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))

@@ -470,10 +470,10 @@ class AccumModel(keras.Model):
             )
 
             # Weight the micro-batch by its share of the window's loss.
-            objective, normalizer = self._window_objective(
+            objective, weight, normalizer = self._window_objective(
                 loss, y, y_pred, sample_weight, batch_size, window
             )
-            window_loss_term = objective
+            window_loss_term = tf.cast(objective, "float32") * weight
             if self.optimizer is not None:
                 objective = self.optimizer.scale_loss(objective)
 
@@ -489,7 +489,9 @@ class AccumModel(keras.Model):
         trainable_weights = self.trainable_weights
         gradients = tape.gradient(objective, trainable_weights)
         self._window_none_grads = [g is None for g in gradients]
-        window.accumulate(gradients, normalizer, window_loss_term, batch_size)
+        window.accumulate(
+            gradients, weight, normalizer, window_loss_term, batch_size
+        )
 
         # Apply: once per window, inside the compiled step.
         window.maybe_apply(
@@ -524,11 +526,14 @@ class AccumModel(keras.Model):
         )
 
     def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
-        """Returns (what to differentiate, this micro-batch's normaliser).
+        """Returns (what to differentiate, its weight, its normaliser).
 
-        Mean-reduced losses are turned back into sums (times the entries
-        they averaged over) so that the window can be divided by its total
-        at apply time: the mean over the window, not a mean of means.
+        A mean-reduced micro-batch gradient is weighted by the entries the
+        loss averaged over, which turns it back into a sum, and the window
+        is divided by the total of those at apply time: the mean over the
+        window, not a mean of means. The weight is applied to the float32
+        gradient, not to the loss, so that backpropagation (float16 under
+        mixed precision) sees the magnitudes a plain step sees.
         """
         import tensorflow as tf
 
@@ -542,10 +547,11 @@ class AccumModel(keras.Model):
             # the window's first micro-batch only.
             regularization = self._regularization_loss(loss.dtype)
             later = tf.cast(w.mini_step.value > 0, loss.dtype)
-            return loss - later * regularization, tf.zeros((), "float32")
-        normalizer = tf.cast(normalizer, loss.dtype)
+            zero, one = tf.zeros((), "float32"), tf.ones((), "float32")
+            return loss - later * regularization, one, zero
+        normalizer = tf.cast(normalizer, "float32")
         objective = loss_module.unscale_loss_for_distribution(loss)
-        return objective * normalizer, normalizer
+        return objective, normalizer, normalizer
 
     def _regularization_loss(self, dtype):
         import tensorflow as tf
