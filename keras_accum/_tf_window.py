@@ -14,6 +14,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.saving.keras_saveable import KerasSaveable
 
 ACC_DTYPE = "float32"
 # Updates remembered for `PseudoBatchLogger` between two reads.
@@ -34,7 +35,19 @@ def _state_variable(name, shape, dtype, aggregation):
     )
 
 
-class WindowState:
+# Saved with the model besides the accumulators: an open window survives a
+# save and load, `save_weights` and `BackupAndRestore`.
+_SAVED_COUNTERS = (
+    "acc_normalizer",
+    "acc_loss",
+    "acc_samples",
+    "mini_step",
+    "epoch_step",
+    "skipped_windows",
+)
+
+
+class WindowState(KerasSaveable):
     """The accumulation state of one `AccumModel`.
 
     Attributes:
@@ -99,6 +112,37 @@ class WindowState:
             )
             self.log_count = _state_variable("log_count", (), "int64", first)
         self.window_length.assign(accum_steps)
+
+    # -- Saving: Keras saves every `KerasSaveable` attribute of the model ----
+
+    def _obj_type(self):
+        # Keras accepts only its own kinds here; it decides which attributes
+        # the saver skips when walking for children, and this has none.
+        return "Loss"
+
+    def save_own_variables(self, store):
+        for i, acc in enumerate(self.acc_grads):
+            store[f"acc_grad_{i}"] = acc
+        for name in _SAVED_COUNTERS:
+            store[name] = getattr(self, name)
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        if not keys:
+            # Saved before any training, or by a plain model: start fresh.
+            return
+        saved = sum(key.startswith("acc_grad_") for key in keys)
+        if saved != len(self.acc_grads):
+            raise ValueError(
+                f"The saved accumulation window holds {saved} gradient "
+                f"accumulators but this model has {len(self.acc_grads)} "
+                "trainable weights; load it into the same architecture."
+            )
+        for i, acc in enumerate(self.acc_grads):
+            acc.assign(store[f"acc_grad_{i}"])
+        for name in _SAVED_COUNTERS:
+            if name in keys:
+                getattr(self, name).assign(store[name])
 
     @property
     def variables(self):
@@ -327,7 +371,10 @@ def _all_reduce_sum(value):
 
 
 def _all_finite(grads):
-    # The sum is cheap and non-finite iff some element is (or overflows,
-    # which the optimizer step would then meet too).
-    checks = [tf.math.is_finite(tf.reduce_sum(g)) for g in grads]
-    return tf.reduce_all(tf.stack(checks))
+    # Once per update, not per step: an elementwise check, because a sum of
+    # large finite values could overflow and drop a valid window.
+    if not grads:
+        return tf.constant(True)
+    return tf.reduce_all(
+        tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    )

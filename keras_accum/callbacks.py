@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import NamedTuple
 
@@ -81,6 +82,12 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def __init__(self, log_dir: str | None = None) -> None:
         super().__init__()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (a string or `os.PathLike`) or "
+                f"None. Received: log_dir={log_dir!r} (of type "
+                f"{type(log_dir).__name__})"
+            )
         if log_dir is not None:
             try:
                 import tensorboard  # noqa: F401
@@ -129,7 +136,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         if self.log_dir is not None and self._writer is None:
             import tensorflow as tf
 
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+            self._writer = tf.summary.create_file_writer(str(self.log_dir))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = len(self.updates)

@@ -313,6 +313,14 @@ class AccumModel(keras.Model):
         self.compile(**config)
         if self.built:
             self.optimizer.build(self.trainable_variables)
+            # Before the weights load, so that an open window loads too.
+            self._ensure_window()
+
+    def load_weights(self, filepath, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "optimizer", None) is not None and self.built:
+            # The accumulators must exist to receive a saved open window.
+            self._ensure_window()
+        return super().load_weights(filepath, *args, **kwargs)
 
     def fit(
         self,
@@ -695,6 +703,9 @@ class _WindowEpochs(keras.callbacks.Callback):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
+        if logs is not None:
+            # Cumulative over the model's life, like `optimizer.iterations`.
+            logs["skipped_windows"] = self._accum_model.skipped_windows
         for logger in self._loggers:
             logger._on_window_epoch_end(logs)
 

@@ -1,0 +1,337 @@
+"""Faults and bad input: mixed precision, non-finite gradients, saving and
+resuming mid-window, refusals, and a property test of the promise."""
+
+import keras
+import numpy as np
+import pytest
+from _helpers import (
+    accum_mlp,
+    assert_same_weights,
+    max_weight_diff,
+    mlp,
+    regression_data,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import keras_accum
+
+B, K = 8, 4
+
+
+@pytest.fixture
+def policy():
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+# -- Mixed precision ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, atol", [("mixed_float16", 1e-4), ("mixed_bfloat16", 2e-3)]
+)
+def test_mixed_precision_tracks_plain_large_batch(
+    name, atol, policy, report_diff
+):
+    policy(name)
+    x, y = regression_data()
+    plain, accum = mlp(), accum_mlp(K)
+    for model in (plain, accum):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    # Float16 compute, float32 accumulators and weights.
+    assert accum.layers[1].compute_dtype == name.split("_")[1]
+    if name == "mixed_float16":
+        assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+    plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    assert accum.accumulators[0].dtype == "float32"
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
+    diff = max_weight_diff(plain, accum)
+    report_diff(diff, f"{name} vs plain under the same policy")
+    assert diff < atol
+    assert accum.skipped_windows == 0
+
+
+# -- Non-finite gradients -----------------------------------------------------
+
+
+def _with_nan(x, index=10):
+    x = x.copy()
+    x[index, 0] = np.nan
+    return x
+
+
+def test_nan_sample_skips_its_window_and_training_goes_on(report_diff):
+    x, y = regression_data(n=128)
+    bad = _with_nan(x, index=10)  # In the first window (samples 0-31).
+    accum = accum_mlp(K)
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    history = accum.fit(
+        bad, y, batch_size=B, epochs=2, shuffle=False, verbose=0
+    )
+    assert accum.skipped_windows == 2  # Once per epoch.
+    assert history.history["skipped_windows"] == [1, 2]
+    assert accum.mini_step == 0
+    assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
+    assert all(np.all(np.isfinite(w)) for w in accum.get_weights())
+    # Exactly large-batch training that never saw the first window: weights,
+    # Adam's slots and `iterations` untouched by it.
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    for _ in range(2):
+        plain.fit(x[32:], y[32:], batch_size=B * K, shuffle=False, verbose=0)
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert int(accum.optimizer.iterations) == 6
+    assert_same_weights(plain, accum)
+    report_diff(max_weight_diff(plain, accum), "NaN sample: window skipped")
+
+
+def test_nan_under_loss_scaling_lowers_the_scale_like_a_large_batch(policy):
+    policy("mixed_float16")
+    x, y = regression_data(n=64)
+    bad = _with_nan(x, index=40)  # Second window.
+    plain, accum = mlp(), accum_mlp(K)
+    for model in (plain, accum):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(bad, y, batch_size=B * K, shuffle=False, verbose=0)
+    accum.fit(bad, y, batch_size=B, shuffle=False, verbose=0)
+    # The large batch overflowed once: its update was skipped and the
+    # dynamic loss scale halved. The window does the same.
+    assert float(accum.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy()
+    )
+    assert float(plain.optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert accum.skipped_windows == 1
+    assert_same_weights(plain, accum, atol=1e-4)
+
+
+# -- Saving and resuming mid-window ------------------------------------------
+
+
+def _batches(x, y):
+    return [(x[i : i + B], y[i : i + B]) for i in range(0, len(x), B)]
+
+
+def _uninterrupted(x, y):
+    model = accum_mlp(K)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    for xb, yb in _batches(x, y):
+        model.train_on_batch(xb, yb)
+    return model
+
+
+@pytest.mark.parametrize("how", ["keras_file", "weights_file"])
+def test_save_after_2_of_4_micro_batches_and_resume(how, tmp_path, report_diff):
+    x, y = regression_data(n=64)
+    batches = _batches(x, y)
+    model = accum_mlp(K)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    for xb, yb in batches[:6]:  # One update, then half a window.
+        model.train_on_batch(xb, yb)
+    assert model.mini_step == 2
+    if how == "keras_file":
+        model.save(tmp_path / "m.keras")
+        restored = keras.saving.load_model(tmp_path / "m.keras")
+    else:
+        model.save_weights(tmp_path / "m.weights.h5")
+        restored = accum_mlp(K)
+        restored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        restored.load_weights(tmp_path / "m.weights.h5")
+    assert restored.mini_step == 2
+    for xb, yb in batches[6:]:
+        restored.train_on_batch(xb, yb)
+    reference = _uninterrupted(x, y)
+    assert int(restored.optimizer.iterations) == 2
+    assert_same_weights(reference, restored, atol=1e-7)
+    # And both equal large-batch training.
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+    assert_same_weights(plain, restored)
+    report_diff(max_weight_diff(plain, restored), f"resumed mid-window ({how})")
+
+
+def test_weights_files_move_between_accum_and_plain_models(tmp_path):
+    x, y = regression_data(n=40)
+    accum = accum_mlp(K)
+    accum.compile(optimizer="adam", loss="mse")
+    accum.fit(x, y, batch_size=B, verbose=0)  # Leaves no open window...
+    accum.partial_window = "carry"
+    accum.fit(x[:16], y[:16], batch_size=B, verbose=0)  # ...this does.
+    assert accum.mini_step == 2
+    accum.save_weights(tmp_path / "accum.weights.h5")
+    plain = mlp(seed=9)
+    plain.load_weights(tmp_path / "accum.weights.h5")
+    assert_same_weights(plain, accum, atol=0)
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    fresh = accum_mlp(K, seed=5)
+    fresh.compile(optimizer="adam", loss="mse")
+    fresh.load_weights(tmp_path / "plain.weights.h5")
+    assert_same_weights(fresh, plain, atol=0)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("pre-empted")
+
+
+def test_backup_and_restore_resumes_an_open_window(tmp_path, report_diff):
+    # "carry": windows cross epoch ends, so each backup holds an open one.
+    x, y = regression_data(n=70)  # 9 micro-batches an epoch.
+
+    def model():
+        m = accum_mlp(K, partial_window="carry")
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return m
+
+    def fit(m, callbacks):
+        m.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+    reference = model()
+    fit(reference, [])
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    first = model()
+    with pytest.raises(RuntimeError, match="pre-empted"):
+        fit(first, [backup, _Interrupt(epoch=1, batch=4)])
+    # A new process would build a new model: the backup holds the window.
+    second = model()
+    fit(second, [keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert second.mini_step == reference.mini_step == 3  # 27 = 6 * 4 + 3.
+    assert int(second.optimizer.iterations) == 6
+    assert_same_weights(reference, second, atol=1e-7)
+    np.testing.assert_allclose(
+        second.accumulators[0].numpy(),
+        reference.accumulators[0].numpy(),
+        rtol=1e-6,
+    )
+    report_diff(max_weight_diff(reference, second), "BackupAndRestore resume")
+
+
+# -- Bad input ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("log_dir", [3, ["logs"]])
+def test_logger_refuses_a_bad_log_dir(log_dir):
+    with pytest.raises(TypeError, match=r"`log_dir`.*Received: log_dir="):
+        keras_accum.PseudoBatchLogger(log_dir=log_dir)
+
+
+def test_mismatched_sample_weight_length_is_keras_error():
+    x, y = regression_data(n=32)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(ValueError):
+        model.fit(x, y, sample_weight=np.ones(31), batch_size=B, verbose=0)
+    assert_same_weights(model, _FixedWeights(before), atol=0)
+
+
+class _FixedWeights:
+    def __init__(self, weights):
+        self._weights = weights
+
+    def get_weights(self):
+        return self._weights
+
+
+def test_empty_dataset_warns_without_changing_weights():
+    import tensorflow as tf
+
+    x, y = regression_data(n=32)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(B)
+    # Keras's usual answer, for a plain model too: a warning, no steps.
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model.fit(empty, epochs=1, verbose=0)
+    assert_same_weights(model, _FixedWeights(before), atol=0)
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_generator_changing_structure_mid_epoch_raises():
+    x, y = regression_data(n=32)
+
+    def batches():
+        yield x[:8], y[:8]
+        yield x[8:16], y[8:16]
+        yield x[16:24], y[16:24], np.ones(8, "float32")
+
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(Exception) as info:  # noqa: B017
+        model.fit(batches(), epochs=1, verbose=0)
+    assert "structure" in str(info.value).lower() or "sample_weight" in str(
+        info.value
+    ), info.value
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_model_without_trainable_weights_warns_as_keras_does():
+    x, y = regression_data(n=16, outputs=5)
+    inputs = keras.Input((5,))
+    layer = keras.layers.Dense(5, trainable=False)
+    model = keras_accum.AccumModel(inputs, layer(inputs), accum_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        model.fit(x, y, batch_size=B, verbose=0)
+
+
+# -- The promise, for random shapes -------------------------------------------
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    accum_steps=st.integers(1, 6),
+    micro_batch=st.integers(1, 9),
+    samples=st.integers(1, 60),
+    epochs=st.integers(1, 2),
+)
+def test_property_equal_to_plain_large_batch(
+    accum_steps, micro_batch, samples, epochs
+):
+    keras.backend.clear_session()
+    x, y = regression_data(n=samples)
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accum = accum_mlp(accum_steps)
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(
+        x,
+        y,
+        batch_size=micro_batch * accum_steps,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+    )
+    accum.fit(
+        x, y, batch_size=micro_batch, epochs=epochs, shuffle=False, verbose=0
+    )
+    updates = epochs * -(-samples // (micro_batch * accum_steps))
+    assert int(accum.optimizer.iterations) == updates
+    assert accum.mini_step == 0
+    assert_same_weights(plain, accum)
