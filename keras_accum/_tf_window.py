@@ -223,7 +223,7 @@ class WindowState(KerasSaveable):
                     call(self._local_totals),
                     axis=None,
                 )
-                finite = tf.equal(totals[3], 0.0)
+                finite, go = _decide(totals, optimizer)
                 grads = call(
                     self._window_gradients,
                     args=(totals, variables, sum_mode, optimizer),
@@ -235,11 +235,7 @@ class WindowState(KerasSaveable):
                         args=(optimizer, grads, variables, none_grads),
                     )
 
-                if isinstance(optimizer, LossScaleOptimizer):
-                    # It checks finiteness itself, skips, lowers its scale.
-                    apply_on_each_replica()
-                else:
-                    tf.cond(finite, apply_on_each_replica, _nothing)
+                tf.cond(go, apply_on_each_replica, _nothing)
                 call(self._finish, args=(totals, finite, sum_mode, optimizer))
 
             tf.cond(flag, apply_window, _nothing)
@@ -250,19 +246,13 @@ class WindowState(KerasSaveable):
 
     def _apply(self, optimizer, variables, sum_mode, none_grads):
         totals = _all_reduce_sum(self._local_totals())
-        finite = tf.equal(totals[3], 0.0)
+        finite, go = _decide(totals, optimizer)
         grads = self._window_gradients(totals, variables, sum_mode, optimizer)
-        if isinstance(optimizer, LossScaleOptimizer):
-            # It checks finiteness itself, skips, and lowers its scale.
-            _apply_gradients(optimizer, grads, variables, none_grads)
-        else:
-            tf.cond(
-                finite,
-                lambda: _apply_gradients(
-                    optimizer, grads, variables, none_grads
-                ),
-                _nothing,
-            )
+        tf.cond(
+            go,
+            lambda: _apply_gradients(optimizer, grads, variables, none_grads),
+            _nothing,
+        )
         self._finish(totals, finite, sum_mode, optimizer)
 
     def _local_totals(self):
@@ -299,10 +289,17 @@ class WindowState(KerasSaveable):
         window_loss = totals[1]
         if not sum_mode:
             window_loss = tf.math.divide_no_nan(window_loss, totals[0])
+        has_samples = totals[2] > 0
         self.skipped_windows.assign_add(
-            tf.cast(tf.logical_not(finite), "int64")
+            tf.cast(
+                tf.logical_and(has_samples, tf.logical_not(finite)), "int64"
+            )
         )
-        self._publish(window_loss, totals[2], optimizer.iterations)
+        tf.cond(
+            has_samples,
+            lambda: self._publish(window_loss, totals[2], optimizer.iterations),
+            _nothing,
+        )
         self.reset_window()
 
     def _publish(self, window_loss, samples, iterations):
@@ -314,6 +311,7 @@ class WindowState(KerasSaveable):
         ):
             ring.assign(tf.tensor_scatter_nd_update(ring.value, slot, [value]))
         self.log_count.assign_add(1)
+        return None
 
     def reset_window(self):
         for acc in self.acc_grads:
@@ -326,6 +324,21 @@ class WindowState(KerasSaveable):
 
 def _nothing():
     return None
+
+
+def _decide(totals, optimizer):
+    """(whether the window's gradient is finite, whether to apply it).
+
+    A window without samples (Keras 3.15 runs a step on no data when a
+    dataset is empty) applies nothing. A `LossScaleOptimizer` gets
+    non-finite gradients too: it skips them itself and lowers its scale,
+    as for a large batch that overflowed.
+    """
+    finite = tf.equal(totals[3], 0.0)
+    has_samples = totals[2] > 0
+    if isinstance(optimizer, LossScaleOptimizer):
+        return finite, has_samples
+    return finite, tf.logical_and(finite, has_samples)
 
 
 def _apply_gradients(optimizer, grads, variables, none_grads):
