@@ -68,6 +68,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         log_dir: String or `None`. Directory for TensorBoard event files of
             the per-update losses. Defaults to `None` (no files).
 
+    Raises:
+        TypeError: If `log_dir` is not a path or `None`, or (at the start
+            of `fit`) the model is not an `AccumModel`.
+        ImportError: If `log_dir` is given and `tensorboard` is missing.
+
     Example:
 
     ```python

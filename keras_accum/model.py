@@ -98,7 +98,15 @@ class AccumModel(keras.Model):
             still open when an epoch ends: `"apply"` applies it then,
             `"carry"` continues it into the next epoch. Defaults to
             `"apply"`.
-        *args, **kwargs: Passed to `keras.Model`.
+        *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
+        **kwargs: Passed to `keras.Model`, e.g. `name`.
+
+    Raises:
+        TypeError: If `accum_steps` is not an integer (a bool included).
+        ValueError: If `accum_steps < 1`, `partial_window` is unknown, or
+            (at `compile`) the optimizer has its own
+            `gradient_accumulation_steps`.
+        RuntimeError: If Keras runs on a backend other than TensorFlow.
 
     Example:
 
@@ -173,6 +181,15 @@ class AccumModel(keras.Model):
             accum_steps: Integer >= 1. Micro-batches per optimizer update.
             partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
                 Defaults to `"apply"`.
+
+        Returns:
+            An `AccumModel` (uncompiled) computing what `model` computes.
+
+        Raises:
+            TypeError: If `model` is not a `keras.Model` or `accum_steps` is
+                not an integer.
+            ValueError: If `model` is not built, or `accum_steps` or
+                `partial_window` is out of range.
 
         Example:
 
@@ -269,9 +286,20 @@ class AccumModel(keras.Model):
         """Applies the open window now, if it holds any micro-batch.
 
         The window is normalised over what it holds, as a short last batch
-        is. Returns whether an update was applied (a window whose gradient
-        is not finite counts as applied and is skipped, see
-        `skipped_windows`).
+        is. Useful with `partial_window="carry"`, e.g. at the end of
+        training.
+
+        Returns:
+            Whether the window held micro-batches and was closed (a window
+            whose gradient is not finite is closed without an update and
+            counted in `skipped_windows`).
+
+        Example:
+
+        ```python
+        model.fit(x, y, batch_size=8, epochs=3)  # partial_window="carry"
+        model.apply_partial_window()  # The leftover micro-batches.
+        ```
         """
         if self._window is None or self.mini_step == 0:
             return False

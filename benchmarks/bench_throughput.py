@@ -1,0 +1,264 @@
+"""Throughput of AccumModel against plain Keras, side by side in one process.
+
+For each model (an MLP, a small CNN, a small transformer block) and each
+setting (`jit_compile`, `steps_per_execution`), every variant is built and
+warmed up once, then timed in interleaved rounds (variant 1, 2, ..., then
+again), so that a noisy machine slows all variants alike. Reported: the
+median samples per second over rounds, with min and max, and the ratio of
+each variant's time per sample to the limit, `keras.Model` at the same
+micro-batch B (same compute, no accumulation):
+
+- `Model(B)`: the limit;
+- `AccumModel(B, k)`: this library;
+- `Model(B) + optimizer(gradient_accumulation_steps=k)`: Keras's built-in;
+- `Model(B*k)`: the large batch itself, where it fits in memory.
+
+    python benchmarks/bench_throughput.py                # full grid
+    python benchmarks/bench_throughput.py --quick        # a smaller grid
+    python benchmarks/bench_throughput.py --write-docs   # also update docs
+
+Results go to benchmarks/results/throughput.json (and with --write-docs the
+table in docs/benchmarks.md and docs/images/throughput.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_accum  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- Models -------------------------------------------------------------------
+
+
+def mlp():
+    inputs = keras.Input((784,))
+    x = keras.layers.Dense(512, activation="relu")(inputs)
+    x = keras.layers.Dense(512, activation="relu")(x)
+    return inputs, keras.layers.Dense(10)(x), (784,), 10
+
+
+def cnn():
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(64, 3, activation="relu")(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Flatten()(x)
+    return inputs, keras.layers.Dense(10)(x), (28, 28, 1), 10
+
+
+def transformer():
+    seq, width, vocab = 64, 64, 1000
+    inputs = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, width)(inputs)
+    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)
+    x = keras.layers.LayerNormalization()(x + attention(x, x))
+    ffn = keras.layers.Dense(4 * width, activation="gelu")(x)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(ffn))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return inputs, keras.layers.Dense(10)(x), (seq,), vocab
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def data(model_name, samples):
+    rng = np.random.default_rng(0)
+    _, _, shape, high = MODELS[model_name]()
+    if model_name == "transformer":
+        x = rng.integers(0, high, size=(samples, *shape)).astype("int32")
+    else:
+        x = rng.normal(size=(samples, *shape)).astype("float32")
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    return x, y
+
+
+def build(model_name, variant, k, jit, spe):
+    keras.utils.set_random_seed(0)
+    inputs, outputs, _, _ = MODELS[model_name]()
+    optimizer_kwargs = {}
+    if variant == "keras_ga":
+        optimizer_kwargs["gradient_accumulation_steps"] = k
+    if variant == "accum":
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
+    else:
+        model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3, **optimizer_kwargs),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit,
+        steps_per_execution=spe,
+    )
+    return model
+
+
+# -- Timing -------------------------------------------------------------------
+
+
+def dataset(x, y, batch):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch, drop_remainder=True
+    )
+    return ds.cache().repeat().prefetch(tf.data.AUTOTUNE)
+
+
+def time_fit(model, ds, steps):
+    started = time.perf_counter()
+    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    return time.perf_counter() - started
+
+
+def variants(k, include_large):
+    yield "plain", 1
+    yield "accum", k
+    if k > 1:
+        yield "keras_ga", k
+        if include_large:
+            yield "large", k
+
+
+def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
+    x, y = data(model_name, samples_per_run * max(ks) // 4 + micro_batch)
+    configs = {}
+    for k in ks:
+        for variant, kk in variants(k, include_large=True):
+            key = (variant, kk)
+            if key in configs:
+                continue
+            batch = micro_batch * (kk if variant == "large" else 1)
+            steps = max(
+                samples_per_run // batch, kk if variant != "large" else 1
+            )
+            # Whole windows and whole executions only.
+            unit = np.lcm(kk if variant in ("accum", "keras_ga") else 1, spe)
+            steps = int(max(unit, steps // unit * unit))
+            model = build(model_name, variant, kk, jit, spe)
+            ds = dataset(x, y, batch)
+            time_fit(model, ds, steps)  # Trace, compile, warm caches.
+            configs[key] = (model, ds, steps, batch, [])
+    for _ in range(rounds):
+        for model, ds, steps, batch, times in configs.values():
+            times.append(time_fit(model, ds, steps) / (steps * batch))
+    rows = []
+    limit = statistics.median(configs[("plain", 1)][4])
+    for (variant, k), (_, _, steps, _batch, times) in configs.items():
+        per_sample = statistics.median(times)
+        rows.append(
+            {
+                "model": model_name,
+                "variant": variant,
+                "k": k,
+                "micro_batch": micro_batch,
+                "jit_compile": jit,
+                "steps_per_execution": spe,
+                "samples_per_s": 1.0 / per_sample,
+                "samples_per_s_min": 1.0 / max(times),
+                "samples_per_s_max": 1.0 / min(times),
+                "time_ratio_to_plain": per_sample / limit,
+                "steps_timed": steps,
+            }
+        )
+    return rows
+
+
+def machine():
+    gpus = tf.config.list_physical_devices("GPU")
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu": [
+            tf.config.experimental.get_device_details(g).get(
+                "device_name", g.name
+            )
+            for g in gpus
+        ],
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "keras_accum": keras_accum.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--ks", default="1,4,16,64")
+    parser.add_argument("--jit", default="off,on")
+    parser.add_argument("--spe", default="1,8")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--samples-per-run", type=int, default=4096)
+    parser.add_argument("--quick", action="store_true", help="smaller grid")
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/throughput.json")
+    )
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ks, args.spe, args.rounds = "1,16", "1", 3
+    models = args.models.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    jits = [j == "on" for j in args.jit.split(",")]
+    spes = [int(s) for s in args.spe.split(",")]
+
+    rows = []
+    for model_name in models:
+        for jit in jits:
+            for spe in spes:
+                started = time.perf_counter()
+                new = run_setting(
+                    model_name,
+                    args.micro_batch,
+                    ks,
+                    jit,
+                    spe,
+                    args.rounds,
+                    args.samples_per_run,
+                )
+                rows += new
+                print(
+                    f"{model_name} jit={'on' if jit else 'off'} spe={spe}: "
+                    f"{time.perf_counter() - started:.0f}s",
+                    flush=True,
+                )
+                for row in new:
+                    print(
+                        f"  {row['variant']:<9} k={row['k']:<3} "
+                        f"{row['samples_per_s']:>10.0f} samples/s  "
+                        f"time ratio {row['time_ratio_to_plain']:.3f}",
+                        flush=True,
+                    )
+                keras.backend.clear_session()
+    result = {"machine": machine(), "rounds": args.rounds, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    if args.write_docs:
+        from report import write_docs
+
+        write_docs(ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
