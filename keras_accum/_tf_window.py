@@ -189,9 +189,7 @@ class WindowState(KerasSaveable):
             complete = tf.logical_or(complete, epoch_done)
         return complete
 
-    def maybe_apply(
-        self, optimizer, variables, should_apply, sum_mode, none_grads
-    ):
+    def maybe_apply(self, optimizer, variables, should_apply, none_grads):
         """Applies the window once if `should_apply`, in any replica context.
 
         An optimizer apply calls `merge_call` under most strategies, which
@@ -207,7 +205,7 @@ class WindowState(KerasSaveable):
         ):
             tf.cond(
                 should_apply,
-                lambda: self._apply(optimizer, variables, sum_mode, none_grads),
+                lambda: self._apply(optimizer, variables, none_grads),
                 _nothing,
             )
             return
@@ -226,7 +224,7 @@ class WindowState(KerasSaveable):
                 finite, go = _decide(totals, optimizer)
                 grads = call(
                     self._window_gradients,
-                    args=(totals, variables, sum_mode, optimizer),
+                    args=(totals, variables, optimizer),
                 )
 
                 def apply_on_each_replica():
@@ -236,7 +234,7 @@ class WindowState(KerasSaveable):
                     )
 
                 tf.cond(go, apply_on_each_replica, _nothing)
-                call(self._finish, args=(totals, finite, sum_mode, optimizer))
+                call(self._finish, args=(totals, finite, optimizer))
 
             tf.cond(flag, apply_window, _nothing)
 
@@ -244,16 +242,77 @@ class WindowState(KerasSaveable):
             cross_replica, args=(should_apply,)
         )
 
-    def _apply(self, optimizer, variables, sum_mode, none_grads):
-        totals = _all_reduce_sum(self._local_totals())
+    # -- One-micro-batch windows (accum_steps=1) ----------------------------
+
+    def supports_direct_apply(self):
+        # Its conditional holds an optimizer apply: fine where the strategy
+        # needs no merge_call.
+        return (
+            not tf.distribute.has_strategy()
+            or tf.__internal__.distribute.strategy_supports_no_merge_call()
+        )
+
+    def is_direct(self):
+        return tf.logical_and(
+            tf.equal(self.window_length.value, 1),
+            tf.equal(self.mini_step.value, 0),
+        )
+
+    def apply_direct(
+        self,
+        optimizer,
+        variables,
+        grads,
+        none_grads,
+        normalizer,
+        loss,
+        samples,
+    ):
+        """Applies a one-micro-batch window straight from its gradient.
+
+        The same as accumulating and dividing, (g * n) / n, without the
+        accumulator traffic: what `accum_steps=1` costs a plain step is the
+        finiteness check and the published loss.
+        """
+        dense = [
+            g.values if isinstance(g, tf.IndexedSlices) else g
+            for g in grads
+            if g is not None
+        ]
+        local = tf.stack(
+            [
+                tf.cast(normalizer, ACC_DTYPE),
+                tf.cast(loss, ACC_DTYPE),
+                tf.cast(samples, ACC_DTYPE),
+                tf.cast(tf.logical_not(_all_finite(dense)), ACC_DTYPE),
+            ]
+        )
+        totals = _all_reduce_sum(local)
         finite, go = _decide(totals, optimizer)
-        grads = self._window_gradients(totals, variables, sum_mode, optimizer)
+        grads = [
+            tf.zeros_like(v) if g is None else g
+            for g, v in zip(grads, variables, strict=True)
+        ]
         tf.cond(
             go,
             lambda: _apply_gradients(optimizer, grads, variables, none_grads),
             _nothing,
         )
-        self._finish(totals, finite, sum_mode, optimizer)
+        self.epoch_step.assign_add(1)
+        # The accumulators were never touched: nothing to clear.
+        self._finish(totals, finite, optimizer, clear=False)
+        return None
+
+    def _apply(self, optimizer, variables, none_grads):
+        totals = _all_reduce_sum(self._local_totals())
+        finite, go = _decide(totals, optimizer)
+        grads = self._window_gradients(totals, variables, optimizer)
+        tf.cond(
+            go,
+            lambda: _apply_gradients(optimizer, grads, variables, none_grads),
+            _nothing,
+        )
+        self._finish(totals, finite, optimizer)
 
     def _local_totals(self):
         """This replica's [normaliser, loss, samples, non-finite flag]."""
@@ -267,28 +326,21 @@ class WindowState(KerasSaveable):
             ]
         )
 
-    def _window_gradients(self, totals, variables, sum_mode, optimizer):
+    def _window_gradients(self, totals, variables, optimizer):
         """This replica's share of the window's gradient.
 
         Summed over replicas by the optimizer, the shares give the window's
-        sum (sum reductions) or its mean over all replicas' normalisers.
+        mean over all replicas' normalisers, or its sum (sum reductions).
         """
-        if sum_mode:
-            grads = [acc.value for acc in self.acc_grads]
-        else:
-            grads = [
-                tf.math.divide_no_nan(acc.value, totals[0])
-                for acc in self.acc_grads
-            ]
+        divisor = _divisor(totals)
+        grads = [acc.value / divisor for acc in self.acc_grads]
         grads = [
             tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)
         ]
         return _clip_across_replicas(optimizer, grads)
 
-    def _finish(self, totals, finite, sum_mode, optimizer):
-        window_loss = totals[1]
-        if not sum_mode:
-            window_loss = tf.math.divide_no_nan(window_loss, totals[0])
+    def _finish(self, totals, finite, optimizer, clear=True):
+        window_loss = totals[1] / _divisor(totals)
         has_samples = totals[2] > 0
         self.skipped_windows.assign_add(
             tf.cast(
@@ -300,7 +352,8 @@ class WindowState(KerasSaveable):
             lambda: self._publish(window_loss, totals[2], optimizer.iterations),
             _nothing,
         )
-        self.reset_window()
+        if clear:
+            self.reset_window()
 
     def _publish(self, window_loss, samples, iterations):
         slot = [[self.log_count.value % LOG_CAPACITY]]
@@ -324,6 +377,12 @@ class WindowState(KerasSaveable):
 
 def _nothing():
     return None
+
+
+def _divisor(totals):
+    # Sum reductions add no normaliser: their window is the plain sum. So
+    # is a window whose sample weights are all zero (its sum is zero).
+    return tf.where(totals[0] > 0, totals[0], tf.ones_like(totals[0]))
 
 
 def _decide(totals, optimizer):

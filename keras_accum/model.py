@@ -155,8 +155,7 @@ class AccumModel(keras.Model):
         self._window = None
         self._window_refs = None
         self._flush_function = None
-        # Fixed when the train step is traced; the flush reuses them.
-        self._window_sum_mode = False
+        # Fixed when the train step is traced; the flush reuses it.
         self._window_none_grads = None
         self._steps_per_epoch = 0
 
@@ -521,22 +520,41 @@ class AccumModel(keras.Model):
                 x, y, y_pred, sample_weight=sample_weight
             )
 
-        # Gradients, added to the window.
+        # Gradients.
         trainable_weights = self.trainable_weights
         gradients = tape.gradient(objective, trainable_weights)
-        self._window_none_grads = [g is None for g in gradients]
-        window.accumulate(
-            gradients, weight, normalizer, window_loss_term, batch_size
-        )
+        none_grads = self._window_none_grads = [g is None for g in gradients]
 
-        # Apply: once per window, inside the compiled step.
-        window.maybe_apply(
-            self.optimizer,
-            trainable_weights,
-            window.window_is_complete(self._partial_window == "apply"),
-            self._window_sum_mode,
-            self._window_none_grads,
-        )
+        def accumulate_then_maybe_apply():
+            # Added to the window; applied once per window, in the step.
+            window.accumulate(
+                gradients, weight, normalizer, window_loss_term, batch_size
+            )
+            window.maybe_apply(
+                self.optimizer,
+                trainable_weights,
+                window.window_is_complete(self._partial_window == "apply"),
+                none_grads,
+            )
+
+        if window.supports_direct_apply():
+            # A one-micro-batch window is the micro-batch: apply its
+            # gradient as a plain step does, without the accumulators.
+            tf.cond(
+                window.is_direct(),
+                lambda: window.apply_direct(
+                    self.optimizer,
+                    trainable_weights,
+                    gradients,
+                    none_grads,
+                    normalizer,
+                    window_loss_term,
+                    batch_size,
+                ),
+                accumulate_then_maybe_apply,
+            )
+        else:
+            accumulate_then_maybe_apply()
 
         return self._logs_for_strategy(
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -576,8 +594,7 @@ class AccumModel(keras.Model):
         reduction, normalizer = self._loss_normalizer(
             y, y_pred, sample_weight, batch_size
         )
-        self._window_sum_mode = reduction in _SUM_REDUCTIONS
-        if self._window_sum_mode:
+        if reduction in _SUM_REDUCTIONS:
             # Summed micro-batch losses already add up to the window's,
             # except that each carries the regularization once: keep it on
             # the window's first micro-batch only.
@@ -664,7 +681,6 @@ class AccumModel(keras.Model):
                 self.optimizer,
                 variables,
                 window.mini_step.value > 0,
-                self._window_sum_mode,
                 self._window_none_grads or [False] * len(variables),
             )
 

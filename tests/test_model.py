@@ -418,6 +418,30 @@ def test_update_happens_once_per_window():
     ]
 
 
+def test_accum_steps_one_is_a_plain_step_and_can_grow(report_diff):
+    # k = 1 takes a direct path (no accumulators); switching to k = 4 in
+    # the same traced step uses the windows.
+    x, y = regression_data(n=64)
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accum = accum_mlp(1)
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert int(accum.optimizer.iterations) == 8
+    assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
+    diff_one = max_weight_diff(plain, accum)
+    assert diff_one == 0.0  # The very same arithmetic as a plain step.
+    train_function = accum.train_function
+    accum.accum_steps = K
+    plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert accum.train_function is train_function
+    assert int(accum.optimizer.iterations) == 10
+    assert_same_weights(plain, accum)
+    report_diff(max_weight_diff(plain, accum), "accum_steps 1, then 4")
+
+
 def test_accum_steps_can_change_without_retracing():
     x, y = regression_data(n=64)
     model = accum_mlp(2)
