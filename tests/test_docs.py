@@ -1,6 +1,7 @@
 """The documentation site builds strictly, documents the API, and its
 internal links resolve."""
 
+import html
 import os
 import re
 import subprocess
@@ -58,9 +59,14 @@ def test_every_page_exists_with_content(site):
     ]:
         text = (site / page).read_text()
         assert len(re.sub(r"<[^>]+>", "", text)) > 1500, page
-    # Code is included from examples/, not copied.
-    started = (site / "getting-started" / "index.html").read_text()
-    assert "accum_steps" in started and "--8&lt;--" not in started
+    # Code is included from examples/, not copied, and really included.
+    for page, code in [
+        ("getting-started/index.html", "build(keras_accum.AccumModel"),
+        ("guides/distributed/index.html", "MirroredStrategy([d.name"),
+    ]:
+        text = html.unescape(re.sub(r"<[^>]+>", "", (site / page).read_text()))
+        assert code in text, page
+        assert "--8" not in text, page
 
 
 def test_internal_links_resolve(site):
