@@ -27,6 +27,7 @@ def make_data(n=4000, features=32, classes=5, seed=0):
     return x, y
 
 
+# --8<-- [start:build]
 def build(model_cls, **kwargs):
     keras.utils.set_random_seed(42)  # Same initial weights for both runs.
     inputs = keras.Input(shape=(32,))
@@ -39,6 +40,9 @@ def build(model_cls, **kwargs):
         metrics=["accuracy"],
     )
     return model
+
+
+# --8<-- [end:build]
 
 
 def main():
