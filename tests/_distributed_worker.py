@@ -41,7 +41,12 @@ keras.config.disable_traceback_filtering()
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _helpers import accum_mlp, mlp, regression_data  # noqa: E402
+from _helpers import (  # noqa: E402
+    accum_mlp,
+    max_weight_diff,
+    mlp,
+    regression_data,
+)
 
 import keras_accum  # noqa: E402
 
@@ -99,10 +104,7 @@ def case(name, opt="adam", weighted=False, unknown_length=False, **compile):
             verbose=0,
             callbacks=[logger],
         )
-    diff = max(
-        float(np.max(np.abs(u - v)))
-        for u, v in zip(plain.get_weights(), accum.get_weights(), strict=True)
-    )
+    diff = max_weight_diff(plain, accum)
     return {
         "case": name,
         "max_weight_diff": diff,

@@ -275,14 +275,7 @@ def test_partial_window_applied_before_validation_and_callbacks(report_diff):
     )
     _compare_epoch_ends(plain_cb, accum_cb)
     assert_same_weights(plain, accum)
-    report_diff(
-        max(
-            float(np.max(np.abs(u - v)))
-            for u, v in zip(
-                plain.get_weights(), accum.get_weights(), strict=True
-            )
-        )
-    )
+    report_diff(max_weight_diff(plain, accum))
 
 
 def _unknown_length(x, y, batch_size):
@@ -351,14 +344,7 @@ def test_carry_partial_window_into_next_epoch(report_diff):
     assert accum.apply_partial_window() is False
     plain.train_on_batch(xx[126:], yy[126:])
     assert_same_weights(plain, accum)
-    report_diff(
-        max(
-            float(np.max(np.abs(u - v)))
-            for u, v in zip(
-                plain.get_weights(), accum.get_weights(), strict=True
-            )
-        )
-    )
+    report_diff(max_weight_diff(plain, accum))
 
 
 # -- Logs ---------------------------------------------------------------------

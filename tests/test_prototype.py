@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import UpdateRecorder
+from _helpers import UpdateRecorder, max_weight_diff
 
 import keras_accum
 
@@ -129,10 +129,7 @@ def test_batch_64_x_1_equals_batch_1_x_64(report_diff):
     )
     assert len(small_rec.updates) == len(large_rec.updates) == updates
 
-    diff = max(
-        float(np.max(np.abs(u - v)))
-        for u, v in zip(large.get_weights(), small.get_weights(), strict=True)
-    )
+    diff = max_weight_diff(large, small)
     report_diff(diff)
     np.testing.assert_allclose(
         small.get_weights()[0], large.get_weights()[0], atol=1e-5
