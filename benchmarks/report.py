@@ -16,16 +16,18 @@ LABELS = {
 
 def throughput_table(result):
     m = result["machine"]
+    clock = "CPU" if result["rows"][0].get("clock") == "cpu" else "wall"
     lines = [
         f"Machine: {m['processor']}, {m['cpu_count']} CPU cores"
         + (f", GPU {', '.join(m['gpu'])}" if m["gpu"] else ", no GPU")
         + f"; Python {m['python']}, TensorFlow {m['tensorflow']}, Keras "
         f"{m['keras']}, keras-accum {m['keras_accum']}; {m['date']}. "
         f"Median of {result['rounds']} interleaved rounds (min–max in "
-        "brackets); time ratio = time per sample / that of Model(B) in the "
-        "same setting.",
+        f"brackets); samples per {clock} second; time ratio = {clock} time "
+        "per sample / that of Model(B) in the same setting.",
         "",
-        "| model | jit | spe | variant | k | samples/s | time ratio |",
+        f"| model | jit | spe | variant | k | samples per {clock} s "
+        "| time ratio |",
         "| --- | --- | --- | --- | ---: | --- | ---: |",
     ]
     for r in result["rows"]:
@@ -114,7 +116,7 @@ def plot(result, path):
         ax.axhline(1.03, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("accumulation steps k")
-        ax.set_ylabel("time per sample / Model(B)")
+        ax.set_ylabel("time per sample / Model(B)'s")
         ax.set_title(model)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
