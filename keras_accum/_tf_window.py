@@ -144,24 +144,6 @@ class WindowState(KerasSaveable):
             if name in keys:
                 getattr(self, name).assign(store[name])
 
-    @property
-    def variables(self):
-        return [
-            *self.acc_grads,
-            self.acc_normalizer,
-            self.acc_loss,
-            self.acc_samples,
-            self.mini_step,
-            self.epoch_step,
-            self.steps_per_epoch,
-            self.window_length,
-            self.skipped_windows,
-            self.log_loss,
-            self.log_samples,
-            self.log_update,
-            self.log_count,
-        ]
-
     # -- Inside the train step (replica context) ---------------------------
 
     def accumulate(self, grads, weight, normalizer, loss, samples):

@@ -16,7 +16,6 @@ from keras.src.utils.naming import auto_name
 
 from keras_accum._validation import check_accum_steps, check_partial_window
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _SUM_REDUCTIONS = ("sum", "none", None)
 
 
