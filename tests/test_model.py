@@ -232,6 +232,22 @@ class _EpochEndWeights(keras.callbacks.Callback):
         self.weights.append([w.copy() for w in self.model.get_weights()])
 
 
+def _assert_same_epochs(
+    plain, accum, plain_hist, accum_hist, plain_cb, accum_cb
+):
+    """3 epochs of 3 updates each; same validation and epoch-end weights."""
+    assert (
+        int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == 9
+    )
+    np.testing.assert_allclose(
+        accum_hist.history["val_loss"],
+        plain_hist.history["val_loss"],
+        rtol=1e-5,
+    )
+    _compare_epoch_ends(plain_cb, accum_cb)
+    assert_same_weights(plain, accum)
+
+
 def _compare_epoch_ends(plain_cb, accum_cb):
     assert len(plain_cb.weights) == len(accum_cb.weights)
     for wp, wa in zip(plain_cb.weights, accum_cb.weights, strict=True):
@@ -265,16 +281,9 @@ def test_partial_window_applied_before_validation_and_callbacks(report_diff):
         callbacks=[accum_cb],
     )
     assert accum.mini_step == 0
-    assert (
-        int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == 9
+    _assert_same_epochs(
+        plain, accum, plain_hist, accum_hist, plain_cb, accum_cb
     )
-    np.testing.assert_allclose(
-        accum_hist.history["val_loss"],
-        plain_hist.history["val_loss"],
-        rtol=1e-5,
-    )
-    _compare_epoch_ends(plain_cb, accum_cb)
-    assert_same_weights(plain, accum)
     report_diff(max_weight_diff(plain, accum))
 
 
@@ -308,16 +317,9 @@ def test_unknown_steps_per_epoch_applies_after_last_step(report_diff):
         validation_data=(xv, yv),
         callbacks=[accum_cb],
     )
-    assert (
-        int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == 9
+    _assert_same_epochs(
+        plain, accum, plain_hist, accum_hist, plain_cb, accum_cb
     )
-    np.testing.assert_allclose(
-        accum_hist.history["val_loss"],
-        plain_hist.history["val_loss"],
-        rtol=1e-5,
-    )
-    _compare_epoch_ends(plain_cb, accum_cb)
-    assert_same_weights(plain, accum)
     report_diff(max_weight_diff(plain, accum))
 
 
