@@ -413,7 +413,7 @@ def _clip_across_replicas(optimizer, grads):
         return grads
     grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
     grads = optimizer._clip_gradients(grads)
-    replicas = tf.cast(ctx.num_replicas_in_sync, grads[0].dtype)
+    replicas = ctx.num_replicas_in_sync
     return [g / tf.cast(replicas, g.dtype) for g in grads]
 
 

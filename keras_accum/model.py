@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses import loss as loss_module
@@ -477,8 +478,6 @@ class AccumModel(keras.Model):
     # -- The train step -------------------------------------------------------
 
     def train_step(self, data):
-        import tensorflow as tf
-
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         window = self._window_for_step()
 
@@ -570,8 +569,6 @@ class AccumModel(keras.Model):
         scalars every metric returns; one-element vectors average to the
         same scalar.
         """
-        import tensorflow as tf
-
         if not _multi_worker(self.distribute_strategy):
             return logs
         return tree.map_structure(
@@ -588,8 +585,6 @@ class AccumModel(keras.Model):
         gradient, not to the loss, so that backpropagation (float16 under
         mixed precision) sees the magnitudes a plain step sees.
         """
-        import tensorflow as tf
-
         reduction, normalizer = self._loss_normalizer(
             y, y_pred, sample_weight, batch_size
         )
@@ -606,8 +601,6 @@ class AccumModel(keras.Model):
         return objective, normalizer, normalizer
 
     def _regularization_loss(self, dtype):
-        import tensorflow as tf
-
         losses = [self._aggregate_additional_loss(v) for v in self.losses]
         if not losses:
             return tf.zeros((), dtype)
@@ -619,8 +612,6 @@ class AccumModel(keras.Model):
         Only proportionality across micro-batches matters: the window is
         divided by the total of these.
         """
-        import tensorflow as tf
-
         compile_loss = self._compile_loss
         flat_losses = getattr(compile_loss, "_flat_losses", None) or []
         reductions = []
@@ -669,8 +660,6 @@ class AccumModel(keras.Model):
         return reduction, entries
 
     def _make_flush_function(self):
-        import tensorflow as tf
-
         window = self._window
         strategy = self.distribute_strategy
         variables = self.trainable_weights
@@ -700,8 +689,6 @@ class AccumModel(keras.Model):
 
 
 def _multi_worker(strategy) -> bool:
-    import tensorflow as tf
-
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and bool(strategy.extended._in_multi_worker_mode())
