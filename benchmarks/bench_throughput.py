@@ -11,7 +11,9 @@ micro-batch B (same compute, no accumulation):
 - `Model(B)`: the limit;
 - `AccumModel(B, k)`: this library;
 - `Model(B) + optimizer(gradient_accumulation_steps=k)`: Keras's built-in;
-- `Model(B*k)`: the large batch itself, where it fits in memory.
+- `Model(B*k)`: the large batch itself, where it fits in memory;
+- with `--noise-scale`, also `AccumModel(B, k)` estimating the gradient
+  noise scale (`PseudoBatchLogger(noise_scale=True)`), to measure its cost.
 
     python benchmarks/bench_throughput.py                # full grid
     python benchmarks/bench_throughput.py --quick        # a smaller grid
@@ -96,7 +98,7 @@ def build(model_name, variant, k, jit, spe):
     optimizer_kwargs = {}
     if variant == "keras_ga":
         optimizer_kwargs["gradient_accumulation_steps"] = k
-    if variant == "accum":
+    if variant in ("accum", "accum_noise"):
         model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
     else:
         model = keras.Model(inputs, outputs)
@@ -119,16 +121,23 @@ def dataset(x, y, batch):
     return ds.cache().repeat().prefetch(tf.data.AUTOTUNE)
 
 
-def time_fit(model, ds, steps):
+def time_fit(model, ds, steps, callbacks=None):
     """(wall seconds, CPU seconds of all the process's threads)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    model.fit(
+        ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks
+    )
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+NOISE_SCALE = False
 
 
 def variants(k, include_large):
     yield "plain", 1
     yield "accum", k
+    if k > 1 and NOISE_SCALE:
+        yield "accum_noise", k
     if k > 1:
         yield "keras_ga", k
         if include_large:
@@ -148,15 +157,20 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
                 samples_per_run // batch, kk if variant != "large" else 1
             )
             # Whole windows and whole executions only.
-            unit = np.lcm(kk if variant in ("accum", "keras_ga") else 1, spe)
+            windowed = variant in ("accum", "accum_noise", "keras_ga")
+            unit = np.lcm(kk if windowed else 1, spe)
             steps = int(max(unit, steps // unit * unit))
             model = build(model_name, variant, kk, jit, spe)
             ds = dataset(x, y, batch)
-            time_fit(model, ds, steps)  # Trace, compile, warm caches.
-            configs[key] = (model, ds, steps, batch, [])
+            callbacks = None
+            if variant == "accum_noise":
+                callbacks = [keras_accum.PseudoBatchLogger(noise_scale=True)]
+            # Trace, compile, warm caches.
+            time_fit(model, ds, steps, callbacks)
+            configs[key] = (model, ds, steps, batch, [], callbacks)
     for _ in range(rounds):
-        for model, ds, steps, batch, times in configs.values():
-            wall, cpu = time_fit(model, ds, steps)
+        for model, ds, steps, batch, times, callbacks in configs.values():
+            wall, cpu = time_fit(model, ds, steps, callbacks)
             times.append((wall / (steps * batch), cpu / (steps * batch)))
     # On a GPU the wall clock is the cost. On a shared CPU machine it is
     # not: the hypervisor stalls the process in coarse slices (seen here as
@@ -165,7 +179,7 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
     which = 0 if tf.config.list_physical_devices("GPU") else 1
     rows = []
     limit = statistics.median(t[which] for t in configs[("plain", 1)][4])
-    for (variant, k), (_, _, steps, _batch, runs) in configs.items():
+    for (variant, k), (_, _, steps, _batch, runs, _) in configs.items():
         times = [t[which] for t in runs]
         walls = [t[0] for t in runs]
         per_sample = statistics.median(times)
@@ -223,7 +237,14 @@ def main(argv=None):
         "--out", default=str(ROOT / "benchmarks/results/throughput.json")
     )
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="also time AccumModel estimating the gradient noise scale",
+    )
     args = parser.parse_args(argv)
+    global NOISE_SCALE
+    NOISE_SCALE = args.noise_scale
     if args.quick:
         args.ks, args.spe, args.rounds = "1,16", "1", 3
     models = args.models.split(",")

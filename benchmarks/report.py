@@ -9,6 +9,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 LABELS = {
     "plain": "Model(B)",
     "accum": "AccumModel(B, k)",
+    "accum_noise": "AccumModel(B, k) + noise scale",
     "keras_ga": "Model(B), Keras GA k",
     "large": "Model(B·k)",
 }

@@ -41,8 +41,10 @@ _SAVED_COUNTERS = (
     "acc_normalizer",
     "acc_loss",
     "acc_samples",
+    "acc_grad_sq",
     "mini_step",
     "epoch_step",
+    "window_length",
     "skipped_windows",
 )
 
@@ -60,8 +62,10 @@ class WindowState(KerasSaveable):
         epoch_step: Micro-batches seen in the current epoch, to close a
             partial window on the epoch's last step.
         steps_per_epoch: Steps in the current `fit` epoch, 0 if unknown.
-        window_length: `accum_steps`, as a variable so that changing it
-            does not retrace.
+        window_length: The open window's length, fixed when it starts.
+        target_length: The length of windows starting from now:
+            `accum_steps`, or what its schedule by epoch gives; a variable
+            so that changing it does not retrace.
         skipped_windows: Windows dropped because their gradient was not
             finite.
         acc_loss: The window's loss so far, weighted like the gradients.
@@ -71,9 +75,21 @@ class WindowState(KerasSaveable):
             `optimizer.iterations` after the update, published in the graph
             for `PseudoBatchLogger`.
         log_count: Updates published so far (the ring's write position).
+        acc_grad_sq: Sum over the window of each micro-batch's squared
+            mean-gradient norm times its normaliser (noise scale only).
+        log_micro, log_trace, log_grad_sq: Rings of each update's number
+            of micro-batches and its estimates of tr(Σ) and |G|² (NaN
+            where not estimated), published with the loss.
+        track_noise: Whether the traced step estimates the noise scale.
+        close_hooks: Callables `hook(applied)` run when a window closes,
+            inside the step (e.g. `AccumBatchNormalization`).
     """
 
-    def __init__(self, trainable_variables, accum_steps, strategy):
+    def __init__(
+        self, trainable_variables, accum_steps, strategy, close_hooks=()
+    ):
+        self.track_noise = False
+        self.close_hooks = list(close_hooks)
         with strategy.scope():
             self.acc_grads = [
                 _state_variable(
@@ -98,6 +114,12 @@ class WindowState(KerasSaveable):
             self.window_length = _state_variable(
                 "window_length", (), "int64", first
             )
+            self.target_length = _state_variable(
+                "target_length", (), "int64", first
+            )
+            self.acc_grad_sq = _state_variable(
+                "acc_grad_sq", (), ACC_DTYPE, "sum"
+            )
             self.skipped_windows = _state_variable(
                 "skipped_windows", (), "int64", first
             )
@@ -111,7 +133,17 @@ class WindowState(KerasSaveable):
                 "log_update", (LOG_CAPACITY,), "int64", first
             )
             self.log_count = _state_variable("log_count", (), "int64", first)
+            self.log_micro = _state_variable(
+                "log_micro", (LOG_CAPACITY,), "int64", first
+            )
+            self.log_trace = _state_variable(
+                "log_trace", (LOG_CAPACITY,), ACC_DTYPE, first
+            )
+            self.log_grad_sq = _state_variable(
+                "log_grad_sq", (LOG_CAPACITY,), ACC_DTYPE, first
+            )
         self.window_length.assign(accum_steps)
+        self.target_length.assign(accum_steps)
 
     # -- Saving: Keras saves every `KerasSaveable` attribute of the model ----
 
@@ -131,7 +163,10 @@ class WindowState(KerasSaveable):
         if not keys:
             # Saved before any training, or by a plain model: start fresh.
             return
-        saved = sum(key.startswith("acc_grad_") for key in keys)
+        saved = sum(
+            key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
+            for key in keys
+        )
         if saved != len(self.acc_grads):
             raise ValueError(
                 f"The saved accumulation window holds {saved} gradient "
@@ -146,15 +181,48 @@ class WindowState(KerasSaveable):
 
     # -- Inside the train step (replica context) ---------------------------
 
-    def accumulate(self, grads, weight, normalizer, loss, samples):
+    def accumulate(
+        self, grads, weight, normalizer, loss, samples, scheduled=None
+    ):
+        """Adds one micro-batch to the window.
+
+        `scheduled`, if given, is the length a window starting now should
+        have (an accumulation schedule of the update count); otherwise
+        `target_length` is.
+        """
+        starting = tf.equal(self.mini_step.value, 0)
+        length = self.target_length.value if scheduled is None else scheduled
+        self.window_length.assign(
+            tf.where(starting, length, self.window_length.value)
+        )
         weight = tf.cast(weight, ACC_DTYPE)
+        pairs = []
         for acc, grad in zip(self.acc_grads, grads, strict=True):
             if grad is None:
                 continue
             # Embedding gradients (`IndexedSlices`) densify here: the
             # accumulator is dense anyway.
             grad = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
-            acc.assign_add(grad * weight)
+            pairs.append((acc, grad))
+
+        # A window's first micro-batch overwrites the accumulators instead
+        # of adding to zeros: clearing them after an update would allocate
+        # a fresh zero buffer per accumulator.
+        def start_window():
+            for acc, grad in pairs:
+                acc.assign(grad * weight)
+
+        def add_to_window():
+            for acc, grad in pairs:
+                acc.assign_add(grad * weight)
+
+        tf.cond(starting, start_window, add_to_window)
+        if self.track_noise:
+            self.acc_grad_sq.assign_add(
+                _weighted_squared_norm(
+                    [g for _, g in pairs], weight, normalizer, samples
+                )
+            )
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
         self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
         self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
@@ -216,7 +284,7 @@ class WindowState(KerasSaveable):
                     )
 
                 tf.cond(go, apply_on_each_replica, _nothing)
-                call(self._finish, args=(totals, finite, optimizer))
+                call(self._finish, args=(totals, finite, go, optimizer))
 
             tf.cond(flag, apply_window, _nothing)
 
@@ -236,7 +304,7 @@ class WindowState(KerasSaveable):
 
     def is_direct(self):
         return tf.logical_and(
-            tf.equal(self.window_length.value, 1),
+            tf.equal(self.target_length.value, 1),
             tf.equal(self.mini_step.value, 0),
         )
 
@@ -281,20 +349,22 @@ class WindowState(KerasSaveable):
             _nothing,
         )
         self.epoch_step.assign_add(1)
-        # The accumulators were never touched: nothing to clear.
-        self._finish(totals, finite, optimizer, clear=False)
+        self.window_length.assign(1)
+        # One micro-batch: no noise-scale estimate (it needs two).
+        self._finish(totals, finite, go, optimizer, micro_steps=1)
         return None
 
     def _apply(self, optimizer, variables, none_grads):
         totals = _all_reduce_sum(self._local_totals())
         finite, go = _decide(totals, optimizer)
         grads = self._window_gradients(totals, variables, optimizer)
+
         tf.cond(
             go,
             lambda: _apply_gradients(optimizer, grads, variables, none_grads),
             _nothing,
         )
-        self._finish(totals, finite, optimizer)
+        self._finish(totals, finite, go, optimizer)
 
     def _local_totals(self):
         """This replica's [normaliser, loss, samples, non-finite flag]."""
@@ -321,7 +391,8 @@ class WindowState(KerasSaveable):
         ]
         return _clip_across_replicas(optimizer, grads)
 
-    def _finish(self, totals, finite, optimizer, clear=True):
+    def _finish(self, totals, finite, applied, optimizer, micro_steps=None):
+        """Closes the window: counts, publishes, runs hooks, resets."""
         window_loss = totals[1] / _divisor(totals)
         has_samples = totals[2] > 0
         self.skipped_windows.assign_add(
@@ -329,31 +400,90 @@ class WindowState(KerasSaveable):
                 tf.logical_and(has_samples, tf.logical_not(finite)), "int64"
             )
         )
+        nan = tf.constant(float("nan"), ACC_DTYPE)
+        trace = grad_sq = nan
+        if micro_steps is None:
+            micro_steps = self.mini_step.value
+            if self.track_noise:
+                trace, grad_sq = self._noise_statistics(optimizer)
+        micro_steps = tf.cast(micro_steps, "int64")
         tf.cond(
             has_samples,
-            lambda: self._publish(window_loss, totals[2], optimizer.iterations),
+            lambda: self._publish(
+                window_loss,
+                totals[2],
+                optimizer.iterations,
+                micro_steps,
+                trace,
+                grad_sq,
+            ),
             _nothing,
         )
-        if clear:
-            self.reset_window()
+        for hook in self.close_hooks:
+            hook(applied)
+        self.reset_window()
 
-    def _publish(self, window_loss, samples, iterations):
+    def _noise_statistics(self, optimizer):
+        """This replica's window estimates of tr(Σ) and |G|².
+
+        McCandlish et al. (2018), "An Empirical Model of Large-Batch
+        Training", appendix A: with micro-batch mean gradients g_j of n_j
+        samples (N in all, k micro-batches) and the window's mean gradient
+        G_W, E[sum_j n_j |g_j|²] = N |G|² + k tr(Σ) and E[|G_W|²] =
+        |G|² + tr(Σ) / N; solving the two gives unbiased estimates. Equal
+        micro-batches reduce it to their B_small = N / k, B_big = N form.
+        """
+        count = self._window_count()
+        k = tf.cast(self.mini_step.value, ACC_DTYPE)
+        window_sq = tf.add_n(
+            [tf.reduce_sum(tf.square(acc.value)) for acc in self.acc_grads]
+        ) / tf.square(count)
+        # Loss scaling multiplies every gradient by the same scale.
+        scale = tf.cast(optimizer.scale_loss(tf.ones(())), ACC_DTYPE)
+        window_sq = window_sq / tf.square(scale)
+        micro_sq = self.acc_grad_sq.value / tf.square(scale)
+        trace = (micro_sq - count * window_sq) / (k - 1.0)
+        grad_sq = window_sq - trace / count
+        # The counts are the loss's units (timesteps, pixels, weight
+        # totals); per sample, so that tr(Σ) / |G|² is a batch size.
+        trace = trace * self.acc_samples.value / count
+        enough = k >= 2.0
+        nan = tf.constant(float("nan"), ACC_DTYPE)
+        return (
+            tf.where(enough, trace, nan),
+            tf.where(enough, grad_sq, nan),
+        )
+
+    def _window_count(self):
+        # What the window's mean divides by: its loss normaliser total, or
+        # its samples where the loss sums.
+        return tf.where(
+            self.acc_normalizer.value > 0,
+            self.acc_normalizer.value,
+            self.acc_samples.value,
+        )
+
+    def _publish(self, window_loss, samples, iterations, micro, trace, gsq):
         slot = [[self.log_count.value % LOG_CAPACITY]]
         for ring, value in (
             (self.log_loss, tf.cast(window_loss, ACC_DTYPE)),
             (self.log_samples, tf.cast(samples, ACC_DTYPE)),
             (self.log_update, tf.cast(iterations, "int64")),
+            (self.log_micro, tf.cast(micro, "int64")),
+            (self.log_trace, tf.cast(trace, ACC_DTYPE)),
+            (self.log_grad_sq, tf.cast(gsq, ACC_DTYPE)),
         ):
             ring.assign(tf.tensor_scatter_nd_update(ring.value, slot, [value]))
         self.log_count.assign_add(1)
         return None
 
     def reset_window(self):
-        for acc in self.acc_grads:
-            acc.assign(tf.zeros_like(acc.value))
+        # The accumulators keep the closed window's sum: the next
+        # micro-batch overwrites them (see `accumulate`).
         self.acc_normalizer.assign(0.0)
         self.acc_loss.assign(0.0)
         self.acc_samples.assign(0.0)
+        self.acc_grad_sq.assign(0.0)
         self.mini_step.assign(0)
 
 
@@ -415,6 +545,21 @@ def _clip_across_replicas(optimizer, grads):
     grads = optimizer._clip_gradients(grads)
     replicas = ctx.num_replicas_in_sync
     return [g / tf.cast(replicas, g.dtype) for g in grads]
+
+
+def _weighted_squared_norm(grads, weight, normalizer, samples):
+    """n_j |g_j|² for one micro-batch, g_j its mean gradient, n_j its count.
+
+    The accumulated gradient is `grad * weight`; divided by the micro-batch's
+    count (its loss normaliser, or its samples where the loss sums) it is
+    the micro-batch's mean gradient.
+    """
+    normalizer = tf.cast(normalizer, ACC_DTYPE)
+    count = tf.where(normalizer > 0, normalizer, tf.cast(samples, ACC_DTYPE))
+    if not grads:
+        return tf.zeros((), ACC_DTYPE)
+    squared = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+    return squared * tf.square(weight) / count
 
 
 def _all_reduce_sum(value):

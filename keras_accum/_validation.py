@@ -35,3 +35,56 @@ def check_partial_window(partial_window: object) -> str:
             f"Received: partial_window={partial_window!r}"
         )
     return partial_window
+
+
+def check_accum_schedule(accum_steps: object) -> object:
+    """Returns `accum_steps` (an int, an epoch schedule or a callable).
+
+    An epoch schedule is returned as a new dict with int keys sorted.
+    """
+    if callable(accum_steps) and not isinstance(accum_steps, type):
+        return accum_steps
+    if isinstance(accum_steps, dict):
+        if not accum_steps:
+            raise ValueError(
+                "An `accum_steps` schedule by epoch must not be empty. "
+                f"Received: accum_steps={accum_steps!r}"
+            )
+        schedule = {}
+        for epoch, steps in accum_steps.items():
+            # Keys arrive as strings from a saved config.
+            if isinstance(epoch, str) and epoch.isdigit():
+                epoch = int(epoch)
+            if (
+                isinstance(epoch, bool)
+                or not isinstance(epoch, numbers.Integral)
+                or epoch < 0
+            ):
+                raise ValueError(
+                    "The keys of an `accum_steps` schedule must be epoch "
+                    "indices (integers >= 0). "
+                    f"Received: accum_steps={accum_steps!r}"
+                )
+            schedule[int(epoch)] = check_accum_steps(steps)
+        if 0 not in schedule:
+            raise ValueError(
+                "An `accum_steps` schedule by epoch must say what epoch 0 "
+                "uses (a key 0). "
+                f"Received: accum_steps={accum_steps!r}"
+            )
+        return dict(sorted(schedule.items()))
+    if isinstance(accum_steps, bool) or not isinstance(
+        accum_steps, numbers.Integral
+    ):
+        raise TypeError(
+            "`accum_steps` must be an integer >= 1, a dict mapping epochs "
+            "to integers, or a callable of the update count. "
+            f"Received: accum_steps={accum_steps!r} "
+            f"(of type {type(accum_steps).__name__})"
+        )
+    return check_accum_steps(accum_steps)
+
+
+def steps_for_epoch(schedule: dict, epoch: int) -> int:
+    """The window length an epoch schedule gives `epoch`."""
+    return schedule[max(e for e in schedule if e <= epoch)]

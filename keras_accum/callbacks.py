@@ -21,11 +21,23 @@ class PseudoBatch(NamedTuple):
             weights before the update, reduced as the compiled loss reduces
             a batch (regularization included).
         samples: Samples in the window.
+        micro_batches: Micro-batches in the window.
+        trace: With `noise_scale=True`, this window's unbiased estimate of
+            tr(Σ), the summed per-sample gradient variance; NaN otherwise
+            and for one-micro-batch windows. Where the loss averages over
+            other units than samples (timesteps, pixels, sample weights),
+            it is rescaled by units per sample, so that
+            `trace / grad_sq` is a batch size in samples.
+        grad_sq: With `noise_scale=True`, this window's unbiased estimate
+            of |G|², the squared norm of the true gradient; else NaN.
     """
 
     update: int
     loss: float
     samples: int
+    micro_batches: int = 1
+    trace: float = float("nan")
+    grad_sq: float = float("nan")
 
 
 class PseudoBatchLogger(keras.callbacks.Callback):
@@ -58,6 +70,28 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     `log_dir`, each update's loss is also written as the TensorBoard scalar
     `pseudo_batch_loss` at step `update`.
 
+    Gradient noise scale (`noise_scale=True`): every window holds
+    `accum_steps` micro-batch gradients and their mean, which is what the
+    simple noise scale B_simple = tr(Σ) / |G|² of McCandlish et al. (2018),
+    "An Empirical Model of Large-Batch Training", needs. Each window gives
+    unbiased estimates of tr(Σ) and |G|² (from the squared gradient norms
+    at the micro-batch and at the window size: one extra reduction per
+    micro-batch, no extra gradient buffer); the callback smooths each with
+    an exponential moving average over updates (`smoothing`) and divides.
+    B_simple estimates the critical batch size, past which larger batches
+    stop paying for themselves. Epoch logs then also get:
+
+    - `pseudo_batch_noise_scale`: the smoothed B_simple, in samples;
+    - `pseudo_batch_critical_batch_size`: the batch size it implies,
+      B_simple rounded to a whole number of samples;
+    - `pseudo_batch_suggested_accum_steps`: the `accum_steps` that reaches
+      it at the current micro-batch size, at least 1.
+
+    All three are NaN until an estimate exists (windows of at least two
+    micro-batches; the estimate of |G|² must be positive). Under a
+    distribution strategy the estimates come from the first replica's
+    micro-batches. Turning it on or off retraces the train step once.
+
     With `accum_steps=1` every batch is a pseudo-batch. A plain
     `keras.Model` computes no pseudo-batch loss: using this callback with
     one raises a `TypeError` at the start of `fit` (use
@@ -66,11 +100,18 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     Args:
         log_dir: String or `None`. Directory for TensorBoard event files of
-            the per-update losses. Defaults to `None` (no files).
+            the per-update losses (and noise scale). Defaults to `None` (no
+            files).
+        noise_scale: Bool. Whether to estimate the gradient noise scale.
+            Defaults to `False`.
+        smoothing: Float in [0, 1). Decay of the moving averages of the
+            noise-scale estimates, per update. Defaults to `0.95`.
 
     Raises:
-        TypeError: If `log_dir` is not a path or `None`, or (at the start
-            of `fit`) the model is not an `AccumModel`.
+        TypeError: If `log_dir` is not a path or `None`, `noise_scale` is
+            not a bool, or (at the start of `fit`) the model is not an
+            `AccumModel`.
+        ValueError: If `smoothing` is outside [0, 1).
         ImportError: If `log_dir` is given and `tensorboard` is missing.
 
     Example:
@@ -85,8 +126,33 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, log_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        noise_scale: bool = False,
+        smoothing: float = 0.95,
+    ) -> None:
         super().__init__()
+        if not isinstance(noise_scale, bool):
+            raise TypeError(
+                "`noise_scale` must be a bool. "
+                f"Received: noise_scale={noise_scale!r} "
+                f"(of type {type(noise_scale).__name__})"
+            )
+        if (
+            isinstance(smoothing, bool)
+            or not isinstance(smoothing, (int, float))
+            or not 0 <= smoothing < 1
+        ):
+            raise ValueError(
+                "`smoothing` must be a number in [0, 1). "
+                f"Received: smoothing={smoothing!r}"
+            )
+        self.noise_scale = noise_scale
+        self.smoothing = float(smoothing)
+        self._ema_trace = 0.0
+        self._ema_grad_sq = 0.0
+        self._micro_batch = float("nan")
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
                 "`log_dir` must be a path (a string or `os.PathLike`) or "
@@ -132,10 +198,10 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
         # Read the ring before it can wrap: a callback fires after at most
         # `steps_per_execution` steps, each closing at most one window.
-        per_callback = (
-            math.ceil(self.model.steps_per_execution / self.model.accum_steps)
-            + 1
-        )
+        steps = self.model.accum_steps
+        # A schedule may shorten windows to one micro-batch.
+        shortest = steps if isinstance(steps, int) else 1
+        per_callback = math.ceil(self.model.steps_per_execution / shortest) + 1
         self._read_every = max(1, (LOG_CAPACITY // 2) // per_callback)
         self._batches_since_read = 0
         if self.log_dir is not None and self._writer is None:
@@ -175,6 +241,48 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         else:
             logs["pseudo_batch_loss_mean"] = float("nan")
             logs["pseudo_batch_loss_std"] = float("nan")
+        if self.noise_scale:
+            logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
+            logs["pseudo_batch_critical_batch_size"] = self.critical_batch_size
+            logs["pseudo_batch_suggested_accum_steps"] = (
+                self.suggested_accum_steps
+            )
+
+    # -- Noise scale ---------------------------------------------------------
+
+    @property
+    def noise_scale_estimate(self) -> float:
+        """The smoothed B_simple = tr(Σ) / |G|², in samples; NaN if none."""
+        if not self.noise_scale or self._ema_grad_sq <= 0:
+            return float("nan")
+        # The bias corrections of the two averages cancel in the ratio.
+        return self._ema_trace / self._ema_grad_sq
+
+    @property
+    def critical_batch_size(self) -> float:
+        """The batch size B_simple implies, in whole samples; NaN if none."""
+        scale = self.noise_scale_estimate
+        if not math.isfinite(scale) or scale <= 0:
+            return float("nan")
+        return float(max(1, round(scale)))
+
+    @property
+    def suggested_accum_steps(self) -> float:
+        """`accum_steps` reaching the critical batch size; NaN if none."""
+        critical = self.critical_batch_size
+        if not (math.isfinite(critical) and self._micro_batch > 0):
+            return float("nan")
+        return float(max(1, math.ceil(critical / self._micro_batch - 1e-9)))
+
+    def _observe_noise(self, item: PseudoBatch) -> None:
+        if not (math.isfinite(item.trace) and math.isfinite(item.grad_sq)):
+            return
+        decay = self.smoothing
+        self._ema_trace = decay * self._ema_trace + (1 - decay) * item.trace
+        self._ema_grad_sq = (
+            decay * self._ema_grad_sq + (1 - decay) * item.grad_sq
+        )
+        self._micro_batch = item.samples / max(item.micro_batches, 1)
 
     def _drain(self):
         """Moves the updates published in the graph into `updates`."""
@@ -198,14 +306,23 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         losses = window.log_loss.numpy()
         samples = window.log_samples.numpy()
         steps = window.log_update.numpy()
+        micro = window.log_micro.numpy()
+        traces = window.log_trace.numpy()
+        grad_sqs = window.log_grad_sq.numpy()
         new = []
         for i in range(first, count):
             slot = i % LOG_CAPACITY
-            new.append(
-                PseudoBatch(
-                    int(steps[slot]), float(losses[slot]), int(samples[slot])
-                )
+            item = PseudoBatch(
+                int(steps[slot]),
+                float(losses[slot]),
+                int(samples[slot]),
+                int(micro[slot]),
+                float(traces[slot]),
+                float(grad_sqs[slot]),
             )
+            new.append(item)
+            if self.noise_scale:
+                self._observe_noise(item)
         self.updates.extend(new)
         self._read = count
         if self._writer is not None:
@@ -215,6 +332,14 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 for item in new:
                     tf.summary.scalar(
                         "pseudo_batch_loss", item.loss, step=item.update
+                    )
+                if self.noise_scale and math.isfinite(
+                    self.noise_scale_estimate
+                ):
+                    tf.summary.scalar(
+                        "pseudo_batch_noise_scale",
+                        self.noise_scale_estimate,
+                        step=new[-1].update,
                     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -15,7 +16,16 @@ from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.naming import auto_name
 
-from keras_accum._validation import check_accum_steps, check_partial_window
+from keras_accum._validation import (
+    check_accum_schedule,
+    check_partial_window,
+    steps_for_epoch,
+)
+from keras_accum.layers import AccumBatchNormalization
+
+# An int, a schedule by epoch `{epoch: steps}`, or a callable of the update
+# count.
+AccumSteps = int | dict | Callable
 
 _SUM_REDUCTIONS = ("sum", "none", None)
 
@@ -91,8 +101,22 @@ class AccumModel(keras.Model):
     - an existing built model (e.g. a pretrained one):
       `AccumModel.from_model(model, accum_steps=4)`.
 
+    Accumulation schedules: `accum_steps` may also be a dict mapping
+    epochs to window lengths, e.g. `{0: 1, 3: 4, 6: 16}` (epoch 0 must be
+    given; each entry holds until the next), or a callable taking the
+    update count (`optimizer.iterations`, as a scalar integer tensor) and
+    returning the window length, traced into the step like a learning-rate
+    schedule (write it with `keras.ops`, e.g.
+    `lambda u: keras.ops.where(u < 100, 1, 4)`). A window's length is fixed
+    when it starts; the length is a variable, so a schedule never retraces
+    the step, and the equivalence with a plain model holds inside each
+    phase (a plain model trained with the phase's large batch). Schedules
+    are saved with the model (a callable as Keras serializes functions: a
+    registered function, or a lambda loaded with `safe_mode=False`).
+
     Args:
-        accum_steps: Integer >= 1. Micro-batches per optimizer update.
+        accum_steps: Integer >= 1, a dict `{epoch: steps}` or a callable
+            of the update count. Micro-batches per optimizer update.
             Defaults to `1` (one update per batch, as `keras.Model`).
         partial_window: `"apply"` or `"carry"`. What happens to a window
             still open when an epoch ends: `"apply"` applies it then,
@@ -102,8 +126,10 @@ class AccumModel(keras.Model):
         **kwargs: Passed to `keras.Model`, e.g. `name`.
 
     Raises:
-        TypeError: If `accum_steps` is not an integer (a bool included).
-        ValueError: If `accum_steps < 1`, `partial_window` is unknown, or
+        TypeError: If `accum_steps` is not an integer (a bool included), a
+            dict or a callable.
+        ValueError: If `accum_steps < 1`, an epoch schedule has no epoch 0
+            or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.
         RuntimeError: If Keras runs on a backend other than TensorFlow.
@@ -132,12 +158,12 @@ class AccumModel(keras.Model):
     def __init__(
         self,
         *args: Any,
-        accum_steps: int = 1,
+        accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         **kwargs: Any,
     ) -> None:
         _require_tensorflow_backend()
-        accum_steps = check_accum_steps(accum_steps)
+        accum_steps = check_accum_schedule(accum_steps)
         partial_window = check_partial_window(partial_window)
         if isinstance(self, Functional):
             if kwargs.get("name") is None:
@@ -149,6 +175,8 @@ class AccumModel(keras.Model):
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
         self._partial_window = partial_window
+        self._track_noise_scale = False
+        self._epoch = 0
         self._reset_window_state()
 
     def _reset_window_state(self):
@@ -165,7 +193,7 @@ class AccumModel(keras.Model):
     def from_model(
         cls,
         model: keras.Model,
-        accum_steps: int,
+        accum_steps: AccumSteps,
         partial_window: str = "apply",
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
@@ -177,7 +205,8 @@ class AccumModel(keras.Model):
         Args:
             model: A built `keras.Model`: `Sequential`, functional or
                 subclassed (e.g. a pretrained model).
-            accum_steps: Integer >= 1. Micro-batches per optimizer update.
+            accum_steps: Integer >= 1, or a schedule, as for `AccumModel`.
+                Micro-batches per optimizer update.
             partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
                 Defaults to `"apply"`.
 
@@ -197,7 +226,7 @@ class AccumModel(keras.Model):
         model = keras_accum.AccumModel.from_model(base, accum_steps=4)
         ```
         """
-        check_accum_steps(accum_steps)
+        check_accum_schedule(accum_steps)
         check_partial_window(partial_window)
         if not isinstance(model, keras.Model):
             raise TypeError(
@@ -232,15 +261,43 @@ class AccumModel(keras.Model):
         )
 
     @property
-    def accum_steps(self) -> int:
-        """Micro-batches per optimizer update. Changing it never retraces."""
+    def accum_steps(self) -> AccumSteps:
+        """Micro-batches per update: an int, or the schedule as given.
+
+        Setting it applies from the next window. Changing an int or an
+        epoch schedule never retraces the step; setting or replacing a
+        callable schedule (traced into the step) retraces it once.
+        """
         return self._accum_steps
 
     @accum_steps.setter
-    def accum_steps(self, value: int) -> None:
-        self._accum_steps = check_accum_steps(value)
-        if self._window is not None:
-            self._window.window_length.assign(self._accum_steps)
+    def accum_steps(self, value: AccumSteps) -> None:
+        value = check_accum_schedule(value)
+        if callable(value) or callable(self._accum_steps):
+            self.train_function = None
+            self._flush_function = None
+        self._accum_steps = value
+        self._assign_target_length()
+
+    @property
+    def window_length(self) -> int:
+        """Micro-batches the open window (or else the last one) closes at."""
+        if self._window is None:
+            return self._steps_for_now() or 1
+        return int(self._window.window_length.value.numpy())
+
+    def _steps_for_now(self) -> int | None:
+        """The window length the configuration gives now, if static."""
+        if isinstance(self._accum_steps, dict):
+            return steps_for_epoch(self._accum_steps, self._epoch)
+        if callable(self._accum_steps):
+            return None
+        return self._accum_steps
+
+    def _assign_target_length(self):
+        steps = self._steps_for_now()
+        if self._window is not None and steps is not None:
+            self._window.target_length.assign(steps)
 
     @property
     def partial_window(self) -> str:
@@ -274,8 +331,11 @@ class AccumModel(keras.Model):
     def accumulators(self) -> list:
         """The gradient accumulators, one per trainable weight, same order.
 
-        Empty until the model is first trained. Each holds the window's
-        gradient sum (weighted as described above), not yet divided.
+        Empty until the model is first trained. Each holds the open
+        window's gradient sum (weighted as described above), not yet
+        divided. Between windows (`mini_step == 0`) they still hold the
+        last window's sum, unused: a window's first micro-batch overwrites
+        them, which costs less memory than clearing them after an update.
         """
         if self._window is None:
             return []
@@ -360,6 +420,15 @@ class AccumModel(keras.Model):
         **kwargs: Any,
     ):
         epoch_callback = _WindowEpochs(self)
+        listed = (
+            callbacks.callbacks
+            if isinstance(callbacks, keras.callbacks.CallbackList)
+            else callbacks or []
+        )
+        # Estimated in the step only while a callback asks for it.
+        self._set_noise_scale_tracking(
+            any(getattr(cb, "noise_scale", False) is True for cb in listed)
+        )
         if isinstance(callbacks, keras.callbacks.CallbackList):
             epoch_callback.set_loggers(callbacks.callbacks)
             callbacks.callbacks.insert(0, epoch_callback)
@@ -389,7 +458,7 @@ class AccumModel(keras.Model):
 
     def get_config(self) -> dict:
         config = {
-            "accum_steps": self._accum_steps,
+            "accum_steps": _serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
         }
         return {**super().get_config(), **config}
@@ -397,7 +466,9 @@ class AccumModel(keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        accum_steps = config.pop("accum_steps", 1)
+        accum_steps = _deserialize_accum_steps(
+            config.pop("accum_steps", 1), custom_objects
+        )
         partial_window = config.pop("partial_window", "apply")
         # Keras revives functional and subclassed models differently; both
         # paths get a model built with the defaults, set here after.
@@ -456,9 +527,20 @@ class AccumModel(keras.Model):
         with strategy.scope():
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
+        batch_norms = [
+            layer
+            for layer in self._flatten_layers()
+            if isinstance(layer, AccumBatchNormalization)
+        ]
+        for layer in batch_norms:
+            layer._window_owned = True
         self._window = WindowState(
-            self.trainable_weights, self._accum_steps, strategy
+            self.trainable_weights,
+            self._steps_for_now() or 1,
+            strategy,
+            close_hooks=[layer._close_window for layer in batch_norms],
         )
+        self._window.track_noise = self._track_noise_scale
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
@@ -467,6 +549,8 @@ class AccumModel(keras.Model):
             # The model could not be built before tracing (e.g. its build
             # needs real data); create the state during the first trace.
             self._ensure_window()
+        # Fixed per trace; `_set_noise_scale_tracking` retraces on change.
+        self._window.track_noise = self._track_noise_scale
         if self._window_refs != [id(v) for v in self.trainable_weights]:
             raise ValueError(
                 "The model's trainable weights changed since the "
@@ -523,10 +607,19 @@ class AccumModel(keras.Model):
         gradients = tape.gradient(objective, trainable_weights)
         none_grads = self._window_none_grads = [g is None for g in gradients]
 
+        scheduled = None
+        if callable(self._accum_steps):
+            scheduled = self._scheduled_length(self.optimizer.iterations)
+
         def accumulate_then_maybe_apply():
             # Added to the window; applied once per window, in the step.
             window.accumulate(
-                gradients, weight, normalizer, window_loss_term, batch_size
+                gradients,
+                weight,
+                normalizer,
+                window_loss_term,
+                batch_size,
+                scheduled,
             )
             window.maybe_apply(
                 self.optimizer,
@@ -535,9 +628,13 @@ class AccumModel(keras.Model):
                 none_grads,
             )
 
-        if window.supports_direct_apply():
+        if self._accum_steps == 1 and window.supports_direct_apply():
             # A one-micro-batch window is the micro-batch: apply its
             # gradient as a plain step does, without the accumulators.
+            # Traced only for `accum_steps=1`: the conditional holds the
+            # micro-batch's gradients for its whole run, which would cost
+            # a gradient-sized buffer during every longer window's apply.
+            # The runtime check keeps a later `accum_steps` change exact.
             tf.cond(
                 window.is_direct(),
                 lambda: window.apply_direct(
@@ -557,6 +654,48 @@ class AccumModel(keras.Model):
         return self._logs_for_strategy(
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         )
+
+    def _scheduled_length(self, updates):
+        """The callable schedule's window length for `updates`, in graph."""
+        length = tf.cast(self._accum_steps(updates), "int64")
+        if length.shape.rank != 0:
+            raise ValueError(
+                "An `accum_steps` callable must return a scalar. Received: "
+                f"accum_steps={self._accum_steps!r} returning shape "
+                f"{length.shape}"
+            )
+        # Checked eagerly at the start of `fit`; here a bad value would
+        # otherwise stall the window, so it is at least one.
+        return tf.maximum(length, 1)
+
+    def _check_schedule(self):
+        """Evaluates a callable schedule once, eagerly, to fail early."""
+        if not callable(self._accum_steps):
+            return
+        optimizer = self.optimizer
+        updates = 0 if optimizer is None else int(optimizer.iterations)
+        value = self._accum_steps(tf.constant(updates, "int64"))
+        try:
+            steps = int(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                "An `accum_steps` callable must return an integer >= 1. "
+                f"Received: accum_steps={self._accum_steps!r} returning "
+                f"{value!r} at update {updates}"
+            ) from error
+        if steps < 1 or steps != float(value):
+            raise ValueError(
+                "An `accum_steps` callable must return an integer >= 1. "
+                f"Received: accum_steps={self._accum_steps!r} returning "
+                f"{value!r} at update {updates}"
+            )
+
+    def _set_noise_scale_tracking(self, enabled: bool) -> None:
+        # Part of the traced step: a change retraces it once.
+        if enabled != self._track_noise_scale:
+            self._track_noise_scale = enabled
+            self.train_function = None
+            self._flush_function = None
 
     def test_step(self, data):
         return self._logs_for_strategy(super().test_step(data))
@@ -683,9 +822,28 @@ class AccumModel(keras.Model):
         if self._window is not None:
             self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
-    def _start_epoch(self):
+    def _start_epoch(self, epoch):
+        self._epoch = epoch
+        self._assign_target_length()
         if self._window is not None:
             self._window.epoch_step.assign(0)
+
+
+def _serialize_accum_steps(accum_steps):
+    if isinstance(accum_steps, dict):
+        # JSON keys are strings; `check_accum_schedule` reads them back.
+        return {str(epoch): steps for epoch, steps in accum_steps.items()}
+    if callable(accum_steps):
+        return keras.saving.serialize_keras_object(accum_steps)
+    return accum_steps
+
+
+def _deserialize_accum_steps(value, custom_objects=None):
+    if isinstance(value, dict) and "class_name" in value:
+        return keras.saving.deserialize_keras_object(
+            value, custom_objects=custom_objects
+        )
+    return check_accum_schedule(value)
 
 
 def _multi_worker(strategy) -> bool:
@@ -725,9 +883,10 @@ class _WindowEpochs(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._accum_model._set_steps_per_epoch(self.params.get("steps"))
+        self._accum_model._check_schedule()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._accum_model._start_epoch()
+        self._accum_model._start_epoch(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._accum_model.partial_window == "apply":
@@ -770,7 +929,7 @@ class _WrappedAccumModel(AccumModel):
             "inner_model": keras.saving.serialize_keras_object(
                 self.inner_model
             ),
-            "accum_steps": self._accum_steps,
+            "accum_steps": _serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
         }
 
@@ -779,5 +938,8 @@ class _WrappedAccumModel(AccumModel):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_model"), custom_objects=custom_objects
+        )
+        config["accum_steps"] = _deserialize_accum_steps(
+            config.get("accum_steps", 1), custom_objects
         )
         return cls(inner, **config)

@@ -54,6 +54,8 @@ def test_every_page_exists_with_content(site):
         "guides/distributed/index.html",
         "guides/batch-dependent-layers/index.html",
         "guides/pseudo-batch-logger/index.html",
+        "guides/schedules/index.html",
+        "guides/noise-scale/index.html",
         "benchmarks/index.html",
         "changelog/index.html",
     ]:

@@ -73,7 +73,8 @@ def test_nan_sample_skips_its_window_and_training_goes_on(report_diff):
     assert accum.skipped_windows == 2  # Once per epoch.
     assert history.history["skipped_windows"] == [1, 2]
     assert accum.mini_step == 0
-    assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
+    # The skipped window's NaNs were overwritten by the windows after it.
+    assert all(np.all(np.isfinite(a.numpy())) for a in accum.accumulators)
     assert all(np.all(np.isfinite(w)) for w in accum.get_weights())
     # Exactly large-batch training that never saw the first window: weights,
     # Adam's slots and `iterations` untouched by it.

@@ -1,0 +1,144 @@
+"""`AccumBatchNormalization`: moving statistics from the window's samples."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_accum
+
+B, K = 8, 4
+
+
+def _data(shape, n=70, seed=0):
+    rng = np.random.default_rng(seed)
+    # Far from the initial moving statistics (0 and 1), unevenly scaled.
+    x = (3.0 + rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1))
+    y = rng.normal(size=(n, 1))
+    return x.astype("float32"), y.astype("float32")
+
+
+def _model(model_cls, norm_cls, shape, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape)
+    normalized = keras.layers.Flatten()(norm_cls(momentum=0.5)(inputs))
+    # A second one on activations of a layer's weights. Not after the
+    # first: micro-batch normalization would change its inputs (see the
+    # layer's docstring).
+    hidden = keras.layers.Dense(6, activation="tanh")(
+        keras.layers.Flatten()(inputs)
+    )
+    hidden = norm_cls(momentum=0.8)(hidden)
+    x = keras.layers.Concatenate()([normalized, hidden])
+    outputs = keras.layers.Dense(1)(x)
+    model = model_cls(inputs, outputs, **kwargs)
+    # Weights fixed, so the second layer's inputs are too: the moving
+    # statistics can then be compared exactly.
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
+def _moving_statistics(model):
+    return [
+        (layer.moving_mean.numpy(), layer.moving_variance.numpy())
+        for layer in model.layers
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+@pytest.mark.parametrize("shape", [(4,), (5, 5, 3)], ids=["dense", "image"])
+def test_moving_statistics_equal_the_large_batch(shape, report_diff):
+    x, y = _data(shape)
+    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
+    accum = _model(
+        keras_accum.AccumModel,
+        keras_accum.AccumBatchNormalization,
+        shape,
+        accum_steps=K,
+    )
+    plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    diff = 0.0
+    for (pm, pv), (am, av) in zip(
+        _moving_statistics(plain), _moving_statistics(accum), strict=True
+    ):
+        np.testing.assert_allclose(am, pm, rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(av, pv, rtol=2e-6, atol=1e-6)
+        diff = max(diff, float(np.max(np.abs(am - pm))))
+        diff = max(diff, float(np.max(np.abs(av - pv))))
+    report_diff(diff, f"AccumBatchNormalization moving statistics {shape}")
+    # The open window was closed, and nothing is left in it.
+    for layer in accum.layers:
+        if isinstance(layer, keras_accum.AccumBatchNormalization):
+            assert float(layer.window_count.numpy()) == 0.0
+
+
+def test_plain_batch_normalization_updates_per_micro_batch():
+    # What the opt-in fixes: Keras's layer moves once per micro-batch.
+    shape = (4,)
+    x, y = _data(shape)
+    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
+    accum = _model(
+        keras_accum.AccumModel,
+        keras.layers.BatchNormalization,
+        shape,
+        accum_steps=K,
+    )
+    plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    (pm, _), *_ = _moving_statistics(plain)
+    (am, _), *_ = _moving_statistics(accum)
+    assert float(np.max(np.abs(am - pm))) > 0.1
+
+
+def test_outside_an_accum_model_it_is_batch_normalization():
+    shape = (4,)
+    x, y = _data(shape)
+    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
+    other = _model(keras.Model, keras_accum.AccumBatchNormalization, shape)
+    plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    other.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    for (pm, pv), (om, ov) in zip(
+        _moving_statistics(plain), _moving_statistics(other), strict=True
+    ):
+        np.testing.assert_array_equal(om, pm)
+        np.testing.assert_array_equal(ov, pv)
+    np.testing.assert_array_equal(
+        other.predict(x, verbose=0), plain.predict(x, verbose=0)
+    )
+
+
+def test_open_window_statistics_survive_save_and_load(tmp_path):
+    shape = (4,)
+    x, y = _data(shape, n=40)
+    # 5 micro-batches, windows of 4, carried: one micro-batch stays open.
+    reference = _model(
+        keras_accum.AccumModel,
+        keras_accum.AccumBatchNormalization,
+        shape,
+        accum_steps=K,
+        partial_window="carry",
+    )
+    reference.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    path = str(tmp_path / "bn.keras")
+    reference.save(path)
+    loaded = keras.saving.load_model(path)
+    norms = [
+        layer
+        for layer in loaded.layers
+        if isinstance(layer, keras_accum.AccumBatchNormalization)
+    ]
+    assert len(norms) == 2
+    assert all(float(layer.window_count.numpy()) > 0 for layer in norms)
+    more_x, more_y = _data(shape, n=24, seed=1)
+    for model in (reference, loaded):
+        model.fit(more_x, more_y, batch_size=B, shuffle=False, verbose=0)
+    for (rm, rv), (lm, lv) in zip(
+        _moving_statistics(reference), _moving_statistics(loaded), strict=True
+    ):
+        np.testing.assert_allclose(lm, rm, rtol=1e-6)
+        np.testing.assert_allclose(lv, rv, rtol=1e-6)
+
+
+def test_renorm_is_refused():
+    with pytest.raises(ValueError, match="Received: renorm=True"):
+        keras_accum.AccumBatchNormalization(renorm=True)

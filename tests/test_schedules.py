@@ -1,0 +1,164 @@
+"""Accumulation schedules: `accum_steps` by epoch or by update count."""
+
+import keras
+import numpy as np
+import pytest
+from _helpers import UpdateRecorder, accum_mlp, mlp, regression_data
+
+import keras_accum
+
+B = 8
+
+
+def _optimizer():
+    # A learning-rate schedule: it must count updates, not micro-batches.
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.7)
+    return keras.optimizers.Adam(schedule)
+
+
+def _count_traces(model):
+    """Counts traces of `model`'s train step (Python runs once per trace)."""
+    model.traces = 0
+    train_step = model.train_step
+
+    def counted(data):
+        model.traces += 1
+        return train_step(data)
+
+    model.train_step = counted
+
+
+def _tracing_count(model):
+    return model.traces
+
+
+def test_schedule_by_epoch_equals_each_phase_large_batch(report_diff):
+    # 70 samples: every phase ends its epochs with a partial window.
+    x, y = regression_data(n=70)
+    schedule = {0: 1, 1: 2, 2: 4}
+    accum = accum_mlp(schedule)
+    accum.compile(optimizer=_optimizer(), loss="mse")
+    _count_traces(accum)
+    plain = mlp()
+    plain.compile(optimizer=_optimizer(), loss="mse")
+
+    recorder = UpdateRecorder()
+    accum.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    expected = []
+    for epoch in range(4):
+        k = keras_accum.model.steps_for_epoch(schedule, epoch)
+        plain.fit(x, y, batch_size=B * k, shuffle=False, verbose=0)
+        expected.append(
+            (int(plain.optimizer.iterations), plain.get_weights())
+        )
+    # 9 updates (batch 8), then 5 (16), then 3 (32), then 3 (32).
+    assert [i for i, _ in expected] == [9, 14, 17, 20]
+    assert int(accum.optimizer.iterations) == 20
+    at = dict(recorder.updates)
+    diff = 0.0
+    for iterations, weights in expected:
+        for u, v in zip(at[iterations], weights, strict=True):
+            np.testing.assert_allclose(u, v, atol=1e-6, rtol=1e-5)
+            diff = max(diff, float(np.max(np.abs(u - v))))
+    report_diff(diff, "schedule by epoch {0: 1, 1: 2, 2: 4}")
+    # One trace for the whole schedule: the window length is a variable.
+    assert _tracing_count(accum) == 1
+    assert accum.window_length == 4
+
+
+def test_schedule_by_update_count_equals_each_phase(report_diff):
+    # 3 updates of one micro-batch, then windows of 4: 24 + 64 samples.
+    x, y = regression_data(n=88)
+    accum = accum_mlp(lambda u: keras.ops.where(u < 3, 1, 4))
+    accum.compile(optimizer=_optimizer(), loss="mse")
+    _count_traces(accum)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+    plain = mlp()
+    plain.compile(optimizer=_optimizer(), loss="mse")
+    plain.fit(x[:24], y[:24], batch_size=B, shuffle=False, verbose=0)
+    plain.fit(x[24:], y[24:], batch_size=4 * B, shuffle=False, verbose=0)
+    assert int(accum.optimizer.iterations) == 5
+    assert int(plain.optimizer.iterations) == 5
+    diff = max(
+        float(np.max(np.abs(u - v)))
+        for u, v in zip(accum.get_weights(), plain.get_weights(), strict=True)
+    )
+    report_diff(diff, "schedule by update count (1 x 3, then 4)")
+    assert diff < 1e-6
+    assert _tracing_count(accum) == 1
+    assert accum.window_length == 4
+
+
+def test_changing_an_int_or_epoch_schedule_never_retraces():
+    x, y = regression_data(n=64)
+    accum = accum_mlp(2)
+    accum.compile(optimizer="sgd", loss="mse")
+    _count_traces(accum)
+    accum.fit(x, y, batch_size=B, verbose=0)
+    function = accum.train_function
+    accum.accum_steps = {0: 4, 1: 8}
+    accum.fit(x, y, batch_size=B, epochs=2, verbose=0)
+    accum.accum_steps = 1
+    accum.fit(x, y, batch_size=B, verbose=0)
+    assert accum.train_function is function
+    assert _tracing_count(accum) == 1
+    # 4 + (2 + 1) + 8 updates.
+    assert int(accum.optimizer.iterations) == 4 + 3 + 8
+
+
+@keras.saving.register_keras_serializable(package="test_schedules")
+def grow_after_ten(updates):
+    return keras.ops.where(updates < 10, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "schedule", [{0: 1, 3: 4, 6: 16}, grow_after_ten], ids=["epochs", "fn"]
+)
+def test_schedule_is_saved_with_the_model(tmp_path, schedule):
+    model = accum_mlp(schedule)
+    model.compile(optimizer="sgd", loss="mse")
+    config = model.get_config()
+    if isinstance(schedule, dict):
+        # Plain JSON: string keys.
+        assert config["accum_steps"] == {"0": 1, "3": 4, "6": 16}
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.accum_steps == schedule
+    if not isinstance(schedule, dict):
+        assert int(loaded.accum_steps(keras.ops.convert_to_tensor(12))) == 8
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        ({}, ValueError, "must not be empty"),
+        ({1: 4}, ValueError, "epoch 0"),
+        ({0: 0}, ValueError, "Received: accum_steps=0"),
+        ({-1: 2, 0: 1}, ValueError, "epoch indices"),
+        ([1, 4], TypeError, r"a dict mapping epochs.*Received: accum_steps="),
+    ],
+)
+def test_bad_schedules_are_refused(value, error, match):
+    with pytest.raises(error, match=match):
+        accum_mlp(value)
+
+
+def test_callable_returning_a_bad_length_fails_at_fit_start():
+    x, y = regression_data(n=16)
+    model = accum_mlp(lambda u: keras.ops.where(u < 10, 0, 4))
+    model.compile(optimizer="sgd", loss="mse")
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match=r"callable must return an integer"):
+        model.fit(x, y, batch_size=B, verbose=0)
+    for u, v in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_array_equal(u, v)
