@@ -12,7 +12,7 @@ B, K = 8, 4
 def _data(shape, n=70, seed=0):
     rng = np.random.default_rng(seed)
     # Far from the initial moving statistics (0 and 1), unevenly scaled.
-    x = (3.0 + rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1))
+    x = 3.0 + rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1)
     y = rng.normal(size=(n, 1))
     return x.astype("float32"), y.astype("float32")
 

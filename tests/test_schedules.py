@@ -56,9 +56,7 @@ def test_schedule_by_epoch_equals_each_phase_large_batch(report_diff):
     for epoch in range(4):
         k = keras_accum.model.steps_for_epoch(schedule, epoch)
         plain.fit(x, y, batch_size=B * k, shuffle=False, verbose=0)
-        expected.append(
-            (int(plain.optimizer.iterations), plain.get_weights())
-        )
+        expected.append((int(plain.optimizer.iterations), plain.get_weights()))
     # 9 updates (batch 8), then 5 (16), then 3 (32), then 3 (32).
     assert [i for i, _ in expected] == [9, 14, 17, 20]
     assert int(accum.optimizer.iterations) == 20
