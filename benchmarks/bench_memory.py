@@ -175,6 +175,11 @@ def main(argv=None):
                 "peak_bytes": statistics.median(peaks),
                 "peak_bytes_min": min(peaks),
                 "peak_bytes_max": max(peaks),
+                # TensorFlow's allocator on CPU (None on GPU).
+                "tensor_peak_bytes": statistics.median(
+                    s.get("tensor_peak_bytes") or 0 for s in samples
+                )
+                or None,
             }
             rows.append(row)
             print(

@@ -12,8 +12,9 @@ micro-batch B (same compute, no accumulation):
 - `AccumModel(B, k)`: this library;
 - `Model(B) + optimizer(gradient_accumulation_steps=k)`: Keras's built-in;
 - `Model(B*k)`: the large batch itself, where it fits in memory;
-- with `--noise-scale`, also `AccumModel(B, k)` estimating the gradient
-  noise scale (`PseudoBatchLogger(noise_scale=True)`), to measure its cost.
+- with `--noise-scale`, also `AccumModel(B, k)` with a
+  `PseudoBatchLogger` and with `PseudoBatchLogger(noise_scale=True)`: the
+  ratio of the two is what estimating the gradient noise scale costs.
 
     python benchmarks/bench_throughput.py                # full grid
     python benchmarks/bench_throughput.py --quick        # a smaller grid
@@ -98,7 +99,7 @@ def build(model_name, variant, k, jit, spe):
     optimizer_kwargs = {}
     if variant == "keras_ga":
         optimizer_kwargs["gradient_accumulation_steps"] = k
-    if variant in ("accum", "accum_noise"):
+    if variant.startswith("accum"):
         model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
     else:
         model = keras.Model(inputs, outputs)
@@ -137,6 +138,7 @@ def variants(k, include_large):
     yield "plain", 1
     yield "accum", k
     if k > 1 and NOISE_SCALE:
+        yield "accum_logger", k
         yield "accum_noise", k
     if k > 1:
         yield "keras_ga", k
@@ -157,14 +159,15 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
                 samples_per_run // batch, kk if variant != "large" else 1
             )
             # Whole windows and whole executions only.
-            windowed = variant in ("accum", "accum_noise", "keras_ga")
+            windowed = variant.startswith("accum") or variant == "keras_ga"
             unit = np.lcm(kk if windowed else 1, spe)
             steps = int(max(unit, steps // unit * unit))
             model = build(model_name, variant, kk, jit, spe)
             ds = dataset(x, y, batch)
             callbacks = None
-            if variant == "accum_noise":
-                callbacks = [keras_accum.PseudoBatchLogger(noise_scale=True)]
+            if variant in ("accum_logger", "accum_noise"):
+                noise = variant == "accum_noise"
+                callbacks = [keras_accum.PseudoBatchLogger(noise_scale=noise)]
             # Trace, compile, warm caches.
             time_fit(model, ds, steps, callbacks)
             configs[key] = (model, ds, steps, batch, [], callbacks)
