@@ -75,25 +75,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def build(self, input_shape):
         super().build(input_shape)
         shape = tuple(self.moving_mean.shape)
-        self.window_count = self.add_weight(
-            shape=(),
-            name="window_count",
-            initializer="zeros",
-            trainable=False,
-            autocast=False,
-            aggregation="only_first_replica",
-        )
-        self.window_mean = self.add_weight(
+        self.window_count = self._window_weight("window_count", ())
+        self.window_mean = self._window_weight("window_mean", shape)
+        self.window_m2 = self._window_weight("window_m2", shape)
+
+    def _window_weight(self, name, shape):
+        return self.add_weight(
             shape=shape,
-            name="window_mean",
-            initializer="zeros",
-            trainable=False,
-            autocast=False,
-            aggregation="only_first_replica",
-        )
-        self.window_m2 = self.add_weight(
-            shape=shape,
-            name="window_m2",
+            name=name,
             initializer="zeros",
             trainable=False,
             autocast=False,
