@@ -540,7 +540,6 @@ class AccumModel(keras.Model):
             strategy,
             close_hooks=[layer._close_window for layer in batch_norms],
         )
-        self._window.track_noise = self._track_noise_scale
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
@@ -675,20 +674,17 @@ class AccumModel(keras.Model):
         optimizer = self.optimizer
         updates = 0 if optimizer is None else int(optimizer.iterations)
         value = self._accum_steps(tf.constant(updates, "int64"))
+        message = (
+            "An `accum_steps` callable must return an integer >= 1. "
+            f"Received: accum_steps={self._accum_steps!r} returning "
+            f"{value!r} at update {updates}"
+        )
         try:
-            steps = int(value)
+            steps = float(value)
         except (TypeError, ValueError) as error:
-            raise TypeError(
-                "An `accum_steps` callable must return an integer >= 1. "
-                f"Received: accum_steps={self._accum_steps!r} returning "
-                f"{value!r} at update {updates}"
-            ) from error
-        if steps < 1 or steps != float(value):
-            raise ValueError(
-                "An `accum_steps` callable must return an integer >= 1. "
-                f"Received: accum_steps={self._accum_steps!r} returning "
-                f"{value!r} at update {updates}"
-            )
+            raise TypeError(message) from error
+        if steps < 1 or steps != int(steps):
+            raise ValueError(message)
 
     def _set_noise_scale_tracking(self, enabled: bool) -> None:
         # Part of the traced step: a change retraces it once.
