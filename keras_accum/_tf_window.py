@@ -80,7 +80,9 @@ class WindowState(KerasSaveable):
         log_micro, log_trace, log_grad_sq: Rings of each update's number
             of micro-batches and its estimates of tr(Σ) and |G|² (NaN
             where not estimated), published with the loss.
-        track_noise: Whether the traced step estimates the noise scale.
+        noise_every: Estimate the noise scale in every `noise_every`-th
+            published window (those whose `log_count` it divides); 0 for
+            none. Fixed per trace.
         close_hooks: Callables `hook(applied)` run when a window closes,
             inside the step (e.g. `AccumBatchNormalization`).
     """
@@ -88,7 +90,7 @@ class WindowState(KerasSaveable):
     def __init__(
         self, trainable_variables, accum_steps, strategy, close_hooks=()
     ):
-        self.track_noise = False
+        self.noise_every = 0
         self.close_hooks = list(close_hooks)
         with strategy.scope():
             self.acc_grads = [
@@ -207,7 +209,8 @@ class WindowState(KerasSaveable):
 
         # A window's first micro-batch overwrites the accumulators instead
         # of adding to zeros: clearing them after an update would allocate
-        # a fresh zero buffer per accumulator.
+        # a fresh zero buffer per accumulator. The products are formed in
+        # the branches, one at a time, not all at once before them.
         def start_window():
             for acc, grad in pairs:
                 acc.assign(grad * weight)
@@ -217,10 +220,14 @@ class WindowState(KerasSaveable):
                 acc.assign_add(grad * weight)
 
         tf.cond(starting, start_window, add_to_window)
-        if self.track_noise:
+        if self.noise_every:
+            grads = [grad for _, grad in pairs]
             self.acc_grad_sq.assign_add(
-                _weighted_squared_norm(
-                    [g for _, g in pairs], weight, normalizer, samples
+                self._when_sampled(
+                    lambda: _weighted_squared_norm(
+                        grads, weight, normalizer, samples
+                    ),
+                    lambda: tf.zeros((), ACC_DTYPE),
                 )
             )
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
@@ -404,8 +411,11 @@ class WindowState(KerasSaveable):
         trace = grad_sq = nan
         if micro_steps is None:
             micro_steps = self.mini_step.value
-            if self.track_noise:
-                trace, grad_sq = self._noise_statistics(optimizer)
+            if self.noise_every:
+                trace, grad_sq = self._when_sampled(
+                    lambda: self._noise_statistics(optimizer),
+                    lambda: (nan, nan),
+                )
         micro_steps = tf.cast(micro_steps, "int64")
         tf.cond(
             has_samples,
@@ -422,6 +432,18 @@ class WindowState(KerasSaveable):
         for hook in self.close_hooks:
             hook(applied)
         self.reset_window()
+
+    def _when_sampled(self, estimate, otherwise):
+        """`estimate()` in windows that estimate the noise scale.
+
+        `log_count` stays put while a window is open (it moves when the
+        window publishes), so every micro-step of a window and its close
+        agree on whether it is sampled, with no state of its own.
+        """
+        if self.noise_every == 1:
+            return estimate()
+        sampled = tf.equal(self.log_count.value % self.noise_every, 0)
+        return tf.cond(sampled, estimate, otherwise)
 
     def _noise_statistics(self, optimizer):
         """This replica's window estimates of tr(Σ) and |G|².

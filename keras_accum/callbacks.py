@@ -105,13 +105,18 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         noise_scale: Bool. Whether to estimate the gradient noise scale.
             Defaults to `False`.
         smoothing: Float in [0, 1). Decay of the moving averages of the
-            noise-scale estimates, per update. Defaults to `0.95`.
+            noise-scale estimates, per estimate. Defaults to `0.95`.
+        noise_scale_every: Integer >= 1. Estimate the noise scale in every
+            `noise_scale_every`-th update's window (updates 0, n, 2n, ...
+            of those in `updates`); the others cost nothing and carry NaN.
+            `1` estimates in every window. Defaults to `4`.
 
     Raises:
         TypeError: If `log_dir` is not a path or `None`, `noise_scale` is
             not a bool, or (at the start of `fit`) the model is not an
             `AccumModel`.
-        ValueError: If `smoothing` is outside [0, 1).
+        ValueError: If `smoothing` is outside [0, 1) or
+            `noise_scale_every` is not an integer >= 1.
         ImportError: If `log_dir` is given and `tensorboard` is missing.
 
     Example:
@@ -131,6 +136,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         log_dir: str | None = None,
         noise_scale: bool = False,
         smoothing: float = 0.95,
+        noise_scale_every: int = 4,
     ) -> None:
         super().__init__()
         if not isinstance(noise_scale, bool):
@@ -148,8 +154,18 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 "`smoothing` must be a number in [0, 1). "
                 f"Received: smoothing={smoothing!r}"
             )
+        if (
+            isinstance(noise_scale_every, bool)
+            or not isinstance(noise_scale_every, int)
+            or noise_scale_every < 1
+        ):
+            raise ValueError(
+                "`noise_scale_every` must be an integer >= 1. "
+                f"Received: noise_scale_every={noise_scale_every!r}"
+            )
         self.noise_scale = noise_scale
         self.smoothing = float(smoothing)
+        self.noise_scale_every = noise_scale_every
         self._ema_trace = 0.0
         self._ema_grad_sq = 0.0
         self._micro_batch = float("nan")

@@ -175,7 +175,7 @@ class AccumModel(keras.Model):
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
         self._partial_window = partial_window
-        self._track_noise_scale = False
+        self._noise_scale_every = 0
         self._epoch = 0
         self._reset_window_state()
 
@@ -425,9 +425,17 @@ class AccumModel(keras.Model):
             if isinstance(callbacks, keras.callbacks.CallbackList)
             else callbacks or []
         )
-        # Estimated in the step only while a callback asks for it.
-        self._set_noise_scale_tracking(
-            any(getattr(cb, "noise_scale", False) is True for cb in listed)
+        # Estimated in the step only while a callback asks for it, as
+        # often as the most frequent asker wants.
+        self._set_noise_scale_every(
+            min(
+                (
+                    cb.noise_scale_every
+                    for cb in listed
+                    if getattr(cb, "noise_scale", False) is True
+                ),
+                default=0,
+            )
         )
         if isinstance(callbacks, keras.callbacks.CallbackList):
             epoch_callback.set_loggers(callbacks.callbacks)
@@ -548,8 +556,8 @@ class AccumModel(keras.Model):
             # The model could not be built before tracing (e.g. its build
             # needs real data); create the state during the first trace.
             self._ensure_window()
-        # Fixed per trace; `_set_noise_scale_tracking` retraces on change.
-        self._window.track_noise = self._track_noise_scale
+        # Fixed per trace; `_set_noise_scale_every` retraces on change.
+        self._window.noise_every = self._noise_scale_every
         if self._window_refs != [id(v) for v in self.trainable_weights]:
             raise ValueError(
                 "The model's trainable weights changed since the "
@@ -686,10 +694,10 @@ class AccumModel(keras.Model):
         if steps < 1 or steps != int(steps):
             raise ValueError(message)
 
-    def _set_noise_scale_tracking(self, enabled: bool) -> None:
+    def _set_noise_scale_every(self, every: int) -> None:
         # Part of the traced step: a change retraces it once.
-        if enabled != self._track_noise_scale:
-            self._track_noise_scale = enabled
+        if every != self._noise_scale_every:
+            self._noise_scale_every = every
             self.train_function = None
             self._flush_function = None
 

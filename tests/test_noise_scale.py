@@ -81,7 +81,9 @@ def test_synthetic_linear_regression_with_known_noise_scale(report_diff):
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     w = (w_star + delta).astype("float32")
     model.set_weights([w])
-    logger = keras_accum.PseudoBatchLogger(noise_scale=True, smoothing=0.99)
+    logger = keras_accum.PseudoBatchLogger(
+        noise_scale=True, smoothing=0.99, noise_scale_every=1
+    )
     history = model.fit(
         x, y, batch_size=micro, shuffle=False, verbose=0, callbacks=[logger]
     )
@@ -136,10 +138,65 @@ def test_off_by_default_and_nan_for_one_micro_batch_windows():
     assert math.isnan(logger.suggested_accum_steps)
 
 
+def test_every_nth_window_estimates_the_same_values():
+    # Sampling changes what is measured, not the training: the sampled
+    # windows' estimates equal those of a logger estimating every window,
+    # across two `fit` calls (the count of published windows goes on).
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(96, 3)).astype("float32")
+    y = rng.normal(size=(96, 2)).astype("float32")
+    runs = {}
+    for every in (1, 3):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(2)(inputs)
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        logger = keras_accum.PseudoBatchLogger(
+            noise_scale=True, noise_scale_every=every, smoothing=0.5
+        )
+        for _ in range(2):
+            model.fit(
+                x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[logger]
+            )
+        runs[every] = (model, logger)
+    (every_model, every_logger), (third_model, third_logger) = runs.values()
+    for a, b in zip(
+        every_model.get_weights(), third_model.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert len(third_logger.updates) == 12
+    for i, (all_, some) in enumerate(
+        zip(every_logger.updates, third_logger.updates, strict=True)
+    ):
+        assert all_.loss == some.loss
+        if i % 3 == 0:
+            np.testing.assert_allclose(some.trace, all_.trace, rtol=1e-6)
+            np.testing.assert_allclose(some.grad_sq, all_.grad_sq, rtol=1e-6)
+        else:
+            assert math.isnan(some.trace) and math.isnan(some.grad_sq)
+    # The smoothed estimate averages the sampled windows only.
+    trace = grad_sq = 0.0
+    for update in every_logger.updates[::3]:
+        trace = 0.5 * trace + 0.5 * update.trace
+        grad_sq = 0.5 * grad_sq + 0.5 * update.grad_sq
+    np.testing.assert_allclose(
+        third_logger.noise_scale_estimate, trace / grad_sq, rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         ({"noise_scale": 1}, TypeError, "Received: noise_scale=1"),
+        (
+            {"noise_scale_every": 0},
+            ValueError,
+            "`noise_scale_every` must be an integer >= 1. "
+            "Received: noise_scale_every=0",
+        ),
+        ({"noise_scale_every": True}, ValueError, "noise_scale_every=True"),
+        ({"noise_scale_every": 2.0}, ValueError, r"noise_scale_every=2\.0"),
         ({"smoothing": 1.0}, ValueError, r"Received: smoothing=1\.0"),
         ({"smoothing": -0.1}, ValueError, r"Received: smoothing=-0\.1"),
     ],

@@ -1,0 +1,165 @@
+"""What estimating the gradient noise scale costs, measured in pairs.
+
+`bench_throughput.py --noise-scale` times the variants in rounds, but its
+ratio of two medians carries this machine's round-to-round spread (±10%),
+too coarse for a 2% question. Here each round times the variants back to
+back, in rotating order, and keeps each one's ratio to the reference; the
+median of many such paired ratios cancels the slow drifts that a shared
+machine has:
+
+- `AccumModel(B, k)` with `PseudoBatchLogger()`, the reference;
+- the same with `PseudoBatchLogger(noise_scale=True, noise_scale_every=n)`
+  for each `n` of `--every` (1: every window estimates).
+
+Both models start from the same weights and see the same data. The clock
+is the process's CPU time on a CPU-only machine (it counts work, not the
+hypervisor's stalls) and the wall clock on a GPU.
+
+    python benchmarks/bench_noise_overhead.py              # the full run
+    python benchmarks/bench_noise_overhead.py --rounds 5   # a quick look
+
+Results go to benchmarks/results/noise_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_throughput as bt  # noqa: E402  (sets the backend and log level)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_accum  # noqa: E402
+
+
+def _quartiles(values):
+    q1, q2, q3 = np.percentile(values, [25, 50, 75])
+    return float(q1), float(q2), float(q3)
+
+
+def run_setting(model_name, micro_batch, k, jit, everies, rounds, samples):
+    x, y = bt.data(model_name, samples + micro_batch)
+    steps = max(k, samples // micro_batch // k * k)
+    ds = bt.dataset(x, y, micro_batch)
+    runs = {}
+    for every in [0, *everies]:
+        model = bt.build(model_name, "accum", k, jit, 1)
+        if every:
+            logger = keras_accum.PseudoBatchLogger(
+                noise_scale=True, noise_scale_every=every
+            )
+        else:
+            logger = keras_accum.PseudoBatchLogger()
+        # Trace, compile, warm caches.
+        bt.time_fit(model, ds, steps, [logger])
+        runs[every] = (model, logger, [])
+    which = 0 if tf.config.list_physical_devices("GPU") else 1
+    order = list(runs)
+    for r in range(rounds):
+        # Rotate the order, so that no variant always runs first.
+        for every in order[r % len(order) :] + order[: r % len(order)]:
+            model, logger, times = runs[every]
+            times.append(bt.time_fit(model, ds, steps, [logger])[which])
+    base = runs[0][2]
+    rows = []
+    for every in everies:
+        ratios = [t / b for t, b in zip(runs[every][2], base, strict=True)]
+        q1, median, q3 = _quartiles(ratios)
+        rows.append(
+            {
+                "model": model_name,
+                "k": k,
+                "noise_scale_every": every,
+                "micro_batch": micro_batch,
+                "jit_compile": jit,
+                "steps_timed": steps,
+                "rounds": rounds,
+                "clock": "wall" if which == 0 else "cpu",
+                "ratio_median": median,
+                "ratio_q1": q1,
+                "ratio_q3": q3,
+                "ratios": ratios,
+                "seconds_per_run_logger": statistics.median(base),
+            }
+        )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--ks", default="4,16")
+    parser.add_argument("--jit", default="off,on")
+    parser.add_argument("--every", default="1,4")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--samples-per-run", type=int, default=2048)
+    parser.add_argument(
+        "--out",
+        default=str(bt.ROOT / "benchmarks/results/noise_overhead.json"),
+    )
+    args = parser.parse_args(argv)
+    rows = []
+    for model_name in args.models.split(","):
+        for jit in [j == "on" for j in args.jit.split(",")]:
+            for k in [int(k) for k in args.ks.split(",")]:
+                started = time.perf_counter()
+                new = run_setting(
+                    model_name,
+                    args.micro_batch,
+                    k,
+                    jit,
+                    [int(e) for e in args.every.split(",")],
+                    args.rounds,
+                    args.samples_per_run,
+                )
+                rows += new
+                print(
+                    f"{model_name} jit={'on' if jit else 'off'} k={k}: "
+                    f"{time.perf_counter() - started:.0f}s",
+                    flush=True,
+                )
+                for row in new:
+                    print(
+                        f"  every={row['noise_scale_every']:<3} "
+                        f"noise/logger median {row['ratio_median']:.4f} "
+                        f"(quartiles {row['ratio_q1']:.4f}-"
+                        f"{row['ratio_q3']:.4f})",
+                        flush=True,
+                    )
+                keras.backend.clear_session()
+    summary = {}
+    for every in sorted({row["noise_scale_every"] for row in rows}):
+        medians = [
+            row["ratio_median"]
+            for row in rows
+            if row["noise_scale_every"] == every
+        ]
+        summary[str(every)] = statistics.median(medians)
+        print(
+            f"every={every}: median over settings {summary[str(every)]:.4f}"
+            f" (max {max(medians):.4f})"
+        )
+    result = {
+        "machine": bt.machine(),
+        "rounds": args.rounds,
+        "median_over_settings": summary,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
