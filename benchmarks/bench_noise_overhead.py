@@ -9,7 +9,10 @@ machine has:
 
 - `AccumModel(B, k)` with `PseudoBatchLogger()`, the reference;
 - the same with `PseudoBatchLogger(noise_scale=True, noise_scale_every=n)`
-  for each `n` of `--every` (1: every window estimates).
+  for each `n` of `--every` (1: every window estimates);
+- a control: a second, identical reference (`noise_scale_every` 0 in the
+  results). Its ratio would be 1 on a quiet machine; how far it lands
+  from 1 is the resolution of the run.
 
 Both models start from the same weights and see the same data. The clock
 is the process's CPU time on a CPU-only machine (it counts work, not the
@@ -50,9 +53,9 @@ def run_setting(model_name, micro_batch, k, jit, everies, rounds, samples):
     steps = max(k, samples // micro_batch // k * k)
     ds = bt.dataset(x, y, micro_batch)
     runs = {}
-    for every in [0, *everies]:
+    for every in ["reference", 0, *everies]:
         model = bt.build(model_name, "accum", k, jit, 1)
-        if every:
+        if every not in ("reference", 0):
             logger = keras_accum.PseudoBatchLogger(
                 noise_scale=True, noise_scale_every=every
             )
@@ -68,9 +71,9 @@ def run_setting(model_name, micro_batch, k, jit, everies, rounds, samples):
         for every in order[r % len(order) :] + order[: r % len(order)]:
             model, logger, times = runs[every]
             times.append(bt.time_fit(model, ds, steps, [logger])[which])
-    base = runs[0][2]
+    base = runs["reference"][2]
     rows = []
-    for every in everies:
+    for every in [0, *everies]:
         ratios = [t / b for t, b in zip(runs[every][2], base, strict=True)]
         q1, median, q3 = _quartiles(ratios)
         rows.append(
@@ -128,9 +131,11 @@ def main(argv=None):
                     flush=True,
                 )
                 for row in new:
+                    every = row["noise_scale_every"]
+                    label = f"every={every}" if every else "control"
                     print(
-                        f"  every={row['noise_scale_every']:<3} "
-                        f"noise/logger median {row['ratio_median']:.4f} "
+                        f"  {label:<9} "
+                        f"ratio to reference {row['ratio_median']:.4f} "
                         f"(quartiles {row['ratio_q1']:.4f}-"
                         f"{row['ratio_q3']:.4f})",
                         flush=True,
@@ -144,9 +149,10 @@ def main(argv=None):
             if row["noise_scale_every"] == every
         ]
         summary[str(every)] = statistics.median(medians)
+        label = f"every={every}" if every else "control"
         print(
-            f"every={every}: median over settings {summary[str(every)]:.4f}"
-            f" (max {max(medians):.4f})"
+            f"{label}: median over settings {summary[str(every)]:.4f}"
+            f" (range {min(medians):.4f}-{max(medians):.4f})"
         )
     result = {
         "machine": bt.machine(),

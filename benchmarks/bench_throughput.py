@@ -11,10 +11,10 @@ micro-batch B (same compute, no accumulation):
 - `Model(B)`: the limit;
 - `AccumModel(B, k)`: this library;
 - `Model(B) + optimizer(gradient_accumulation_steps=k)`: Keras's built-in;
-- `Model(B*k)`: the large batch itself, where it fits in memory;
-- with `--noise-scale`, also `AccumModel(B, k)` with a
-  `PseudoBatchLogger` and with `PseudoBatchLogger(noise_scale=True)`: the
-  ratio of the two is what estimating the gradient noise scale costs.
+- `Model(B*k)`: the large batch itself, where it fits in memory.
+
+What estimating the gradient noise scale costs is measured by
+`bench_noise_overhead.py`, in paired rounds.
 
     python benchmarks/bench_throughput.py                # full grid
     python benchmarks/bench_throughput.py --quick        # a smaller grid
@@ -131,15 +131,9 @@ def time_fit(model, ds, steps, callbacks=None):
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-NOISE_SCALE = False
-
-
 def variants(k, include_large):
     yield "plain", 1
     yield "accum", k
-    if k > 1 and NOISE_SCALE:
-        yield "accum_logger", k
-        yield "accum_noise", k
     if k > 1:
         yield "keras_ga", k
         if include_large:
@@ -164,16 +158,12 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
             steps = int(max(unit, steps // unit * unit))
             model = build(model_name, variant, kk, jit, spe)
             ds = dataset(x, y, batch)
-            callbacks = None
-            if variant in ("accum_logger", "accum_noise"):
-                noise = variant == "accum_noise"
-                callbacks = [keras_accum.PseudoBatchLogger(noise_scale=noise)]
             # Trace, compile, warm caches.
-            time_fit(model, ds, steps, callbacks)
-            configs[key] = (model, ds, steps, batch, [], callbacks)
+            time_fit(model, ds, steps)
+            configs[key] = (model, ds, steps, batch, [])
     for _ in range(rounds):
-        for model, ds, steps, batch, times, callbacks in configs.values():
-            wall, cpu = time_fit(model, ds, steps, callbacks)
+        for model, ds, steps, batch, times in configs.values():
+            wall, cpu = time_fit(model, ds, steps)
             times.append((wall / (steps * batch), cpu / (steps * batch)))
     # On a GPU the wall clock is the cost. On a shared CPU machine it is
     # not: the hypervisor stalls the process in coarse slices (seen here as
@@ -182,7 +172,7 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
     which = 0 if tf.config.list_physical_devices("GPU") else 1
     rows = []
     limit = statistics.median(t[which] for t in configs[("plain", 1)][4])
-    for (variant, k), (_, _, steps, _batch, runs, _) in configs.items():
+    for (variant, k), (_, _, steps, _batch, runs) in configs.items():
         times = [t[which] for t in runs]
         walls = [t[0] for t in runs]
         per_sample = statistics.median(times)
@@ -240,14 +230,7 @@ def main(argv=None):
         "--out", default=str(ROOT / "benchmarks/results/throughput.json")
     )
     parser.add_argument("--write-docs", action="store_true")
-    parser.add_argument(
-        "--noise-scale",
-        action="store_true",
-        help="also time AccumModel estimating the gradient noise scale",
-    )
     args = parser.parse_args(argv)
-    global NOISE_SCALE
-    NOISE_SCALE = args.noise_scale
     if args.quick:
         args.ks, args.spe, args.rounds = "1,16", "1", 3
     models = args.models.split(",")

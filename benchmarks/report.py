@@ -9,8 +9,6 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 LABELS = {
     "plain": "Model(B)",
     "accum": "AccumModel(B, k)",
-    "accum_logger": "AccumModel(B, k) + PseudoBatchLogger",
-    "accum_noise": "AccumModel(B, k) + logger with noise scale",
     "keras_ga": "Model(B), Keras GA k",
     "large": "Model(B·k)",
 }

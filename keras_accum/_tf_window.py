@@ -83,6 +83,7 @@ class WindowState(KerasSaveable):
         noise_every: Estimate the noise scale in every `noise_every`-th
             published window (those whose `log_count` it divides); 0 for
             none. Fixed per trace.
+        xla: Whether the step compiles with XLA. Fixed per trace.
         close_hooks: Callables `hook(applied)` run when a window closes,
             inside the step (e.g. `AccumBatchNormalization`).
     """
@@ -91,6 +92,7 @@ class WindowState(KerasSaveable):
         self, trainable_variables, accum_steps, strategy, close_hooks=()
     ):
         self.noise_every = 0
+        self.xla = False
         self.close_hooks = list(close_hooks)
         with strategy.scope():
             self.acc_grads = [
@@ -211,25 +213,56 @@ class WindowState(KerasSaveable):
         # of adding to zeros: clearing them after an update would allocate
         # a fresh zero buffer per accumulator. The products are formed in
         # the branches, one at a time, not all at once before them.
-        def start_window():
-            for acc, grad in pairs:
-                acc.assign(grad * weight)
+        def add(overwrite, measure):
+            def branch():
+                values = []
+                for acc, grad in pairs:
+                    value = grad * weight
+                    if overwrite:
+                        acc.assign(value)
+                    else:
+                        acc.assign_add(value)
+                    values.append(value)
+                if not measure:
+                    return tf.zeros((), ACC_DTYPE)
+                return _sum_of_squares(values, self.xla)
 
-        def add_to_window():
-            for acc, grad in pairs:
-                acc.assign_add(grad * weight)
+            return branch
 
-        tf.cond(starting, start_window, add_to_window)
-        if self.noise_every:
-            grads = [grad for _, grad in pairs]
-            self.acc_grad_sq.assign_add(
-                self._when_sampled(
-                    lambda: _weighted_squared_norm(
-                        grads, weight, normalizer, samples
-                    ),
+        def accumulate(measure):
+            return lambda: tf.cond(
+                starting, add(True, measure), add(False, measure)
+            )
+
+        if not self.noise_every:
+            accumulate(False)()
+        else:
+            # The squares of what the window adds. Without XLA they are
+            # summed in the branches, where each product is still at hand
+            # and nothing else holds the gradients (which would keep
+            # TensorFlow from reusing their buffers). Under XLA, nesting
+            # the accumulators' writes in one more conditional cost more
+            # (measured), so there the sum reads the gradients beside them.
+            if self.xla:
+                accumulate(False)()
+                grads = [grad for _, grad in pairs]
+                squares = self._when_sampled(
+                    lambda: _sum_of_squares(grads, True) * tf.square(weight),
                     lambda: tf.zeros((), ACC_DTYPE),
                 )
+            else:
+                squares = self._when_sampled(
+                    accumulate(True), accumulate(False)
+                )
+            # Divided by the micro-batch's count (its loss normaliser, or
+            # its samples where the loss sums), a product is the
+            # micro-batch's mean gradient g_j times its count n_j: this
+            # adds n_j |g_j|².
+            normalizer = tf.cast(normalizer, ACC_DTYPE)
+            count = tf.where(
+                normalizer > 0, normalizer, tf.cast(samples, ACC_DTYPE)
             )
+            self.acc_grad_sq.assign_add(squares / count)
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
         self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
         self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
@@ -457,11 +490,9 @@ class WindowState(KerasSaveable):
         """
         count = self._window_count()
         k = tf.cast(self.mini_step.value, ACC_DTYPE)
-        window_sq = (
-            2.0
-            * tf.add_n([tf.nn.l2_loss(acc.value) for acc in self.acc_grads])
-            / tf.square(count)
-        )
+        window_sq = _sum_of_squares(
+            [acc.value for acc in self.acc_grads], self.xla
+        ) / tf.square(count)
         # Loss scaling multiplies every gradient by the same scale.
         scale = tf.cast(optimizer.scale_loss(tf.ones(())), ACC_DTYPE)
         window_sq = window_sq / tf.square(scale)
@@ -571,20 +602,31 @@ def _clip_across_replicas(optimizer, grads):
     return [g / tf.cast(replicas, g.dtype) for g in grads]
 
 
-def _weighted_squared_norm(grads, weight, normalizer, samples):
-    """n_j |g_j|² for one micro-batch, g_j its mean gradient, n_j its count.
+def _sum_of_squares(tensors, xla):
+    """The sum of every element's square over `tensors`, as fast as can be.
 
-    The accumulated gradient is `grad * weight`; divided by the micro-batch's
-    count (its loss normaliser, or its samples where the loss sums) it is
-    the micro-batch's mean gradient.
+    Without XLA, `l2_loss` (sum(g²) / 2) is one multi-threaded kernel that
+    makes no squared copy. XLA on CPU lowers a reduction to a scalar to a
+    single-threaded loop, about ten times slower on a dense layer's kernel
+    than the matrix-vector product it runs on its threaded BLAS, so there
+    the squares are summed as rows of at least 128 values times ones.
     """
-    normalizer = tf.cast(normalizer, ACC_DTYPE)
-    count = tf.where(normalizer > 0, normalizer, tf.cast(samples, ACC_DTYPE))
-    if not grads:
+    if not tensors:
         return tf.zeros((), ACC_DTYPE)
-    # `l2_loss` is sum(g²) / 2 in one kernel, without a squared copy.
-    squared = 2.0 * tf.add_n([tf.nn.l2_loss(g) for g in grads])
-    return squared * tf.square(weight) / count
+    if not xla:
+        return 2.0 * tf.add_n([tf.nn.l2_loss(t) for t in tensors])
+    sums = []
+    for t in tensors:
+        width = 1
+        for dim in reversed(t.shape):
+            if width >= 128:
+                break
+            width *= dim
+        rows = tf.reshape(tf.square(t), (-1, width))
+        sums.append(
+            tf.reduce_sum(tf.linalg.matvec(rows, tf.ones((width,), t.dtype)))
+        )
+    return tf.add_n(sums)
 
 
 def _all_reduce_sum(value):

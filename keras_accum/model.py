@@ -558,6 +558,7 @@ class AccumModel(keras.Model):
             self._ensure_window()
         # Fixed per trace; `_set_noise_scale_every` retraces on change.
         self._window.noise_every = self._noise_scale_every
+        self._window.xla = bool(self.jit_compile)
         if self._window_refs != [id(v) for v in self.trainable_weights]:
             raise ValueError(
                 "The model's trainable weights changed since the "

@@ -64,9 +64,9 @@ def test_noise_overhead_script_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [r["noise_scale_every"] for r in rows] == [1, 2]
+    assert [r["noise_scale_every"] for r in rows] == [0, 1, 2]
     assert all(len(r["ratios"]) == 3 for r in rows)
     assert all(
         r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"] for r in rows
     )
-    assert set(report["median_over_settings"]) == {"1", "2"}
+    assert set(report["median_over_settings"]) == {"0", "1", "2"}

@@ -9,7 +9,7 @@ import pytest
 import keras_accum
 
 
-def _gradient_is_the_input(accum_steps):
+def _gradient_is_the_input(accum_steps, jit_compile=False):
     """A model whose per-sample gradient (w.r.t. its one weight) is x."""
     inputs = keras.Input((1,))
     outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(
@@ -20,15 +20,21 @@ def _gradient_is_the_input(accum_steps):
     def prediction_as_loss(y_true, y_pred):
         return keras.ops.squeeze(y_pred, -1)
 
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=prediction_as_loss)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=prediction_as_loss,
+        jit_compile=jit_compile,
+    )
     return model
 
 
-def test_hand_computed_gradients_1_2_3_4():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_hand_computed_gradients_1_2_3_4(jit_compile):
     # Micro-batch gradients 1, 2, 3, 4, one sample each: N = k = 4.
     # sum n_j g_j^2 = 30, |G_W|^2 = 2.5^2 = 6.25:
     # tr = (30 - 4 * 6.25) / 3 = 5/3, |G|^2 = 6.25 - (5/3) / 4 = 35/6.
-    model = _gradient_is_the_input(4)
+    # XLA sums the squares another way (see `_sum_of_squares`).
+    model = _gradient_is_the_input(4, jit_compile)
     logger = keras_accum.PseudoBatchLogger(noise_scale=True)
     x = np.array([[1.0], [2.0], [3.0], [4.0]], "float32")
     history = model.fit(
@@ -138,7 +144,8 @@ def test_off_by_default_and_nan_for_one_micro_batch_windows():
     assert math.isnan(logger.suggested_accum_steps)
 
 
-def test_every_nth_window_estimates_the_same_values():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_every_nth_window_estimates_the_same_values(jit_compile):
     # Sampling changes what is measured, not the training: the sampled
     # windows' estimates equal those of a logger estimating every window,
     # across two `fit` calls (the count of published windows goes on).
@@ -151,7 +158,11 @@ def test_every_nth_window_estimates_the_same_values():
         inputs = keras.Input((3,))
         outputs = keras.layers.Dense(2)(inputs)
         model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss="mse",
+            jit_compile=jit_compile,
+        )
         logger = keras_accum.PseudoBatchLogger(
             noise_scale=True, noise_scale_every=every, smoothing=0.5
         )
@@ -204,3 +215,21 @@ def test_every_nth_window_estimates_the_same_values():
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         keras_accum.PseudoBatchLogger(**kwargs)
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_sum_of_squares_both_ways(xla):
+    import tensorflow as tf
+
+    from keras_accum._tf_window import _sum_of_squares
+
+    rng = np.random.default_rng(2)
+    shapes = [(3, 3, 64, 1), (784, 512), (512,), (), (5, 7), (2, 130)]
+    arrays = [rng.normal(size=s).astype("float32") for s in shapes]
+    compute = tf.function(
+        lambda *ts: _sum_of_squares(list(ts), xla), jit_compile=xla
+    )
+    expected = sum(np.sum(a.astype("float64") ** 2) for a in arrays)
+    np.testing.assert_allclose(
+        float(compute(*[tf.constant(a) for a in arrays])), expected, rtol=1e-5
+    )
