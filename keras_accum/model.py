@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import keras
 import tensorflow as tf
+from keras import ops
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses import loss as loss_module
@@ -23,6 +25,17 @@ from keras_accum._validation import (
 )
 from keras_accum.layers import AccumBatchNormalization
 
+_BACKEND = keras.backend.backend()
+_SUPPORTED_BACKENDS = ("tensorflow", "jax")
+if _BACKEND == "jax":
+    # Keras's JAX trainer hooks (state plumbing, the stateless step), the
+    # way Keras picks its trainer base class by backend.
+    from keras_accum import _jax_trainer
+
+    _BACKEND_BASES = (_jax_trainer.JaxAccumTrainer,)
+else:
+    _BACKEND_BASES = ()
+
 # An int, a schedule by epoch `{epoch: steps}`, or a callable of the update
 # count.
 AccumSteps = int | dict | Callable
@@ -30,16 +43,25 @@ AccumSteps = int | dict | Callable
 _SUM_REDUCTIONS = ("sum", "none", None)
 
 
-def _require_tensorflow_backend() -> None:
+def _require_supported_backend() -> None:
     backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if backend not in _SUPPORTED_BACKENDS:
         raise RuntimeError(
-            "keras_accum.AccumModel currently supports the TensorFlow "
-            f"backend only. Received: backend={backend!r}. Select TensorFlow "
-            "with `export KERAS_BACKEND=tensorflow` before Python imports "
-            'Keras, or set `"backend": "tensorflow"` in '
+            "keras_accum.AccumModel currently supports the TensorFlow and "
+            f"JAX backends only. Received: backend={backend!r}. Select "
+            "TensorFlow with `export KERAS_BACKEND=tensorflow` before Python "
+            'imports Keras, or set `"backend": "tensorflow"` in '
             "~/.keras/keras.json."
         )
+
+
+def _check_accum_steps_for_backend(accum_steps) -> None:
+    if _BACKEND == "jax":
+        _jax_trainer.check_accum_steps(accum_steps)
+
+
+def _read_int(variable) -> int:
+    return int(ops.convert_to_numpy(variable.value))
 
 
 def _functional_init_arguments(args, kwargs) -> bool:
@@ -52,7 +74,7 @@ def _functional_init_arguments(args, kwargs) -> bool:
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
-class AccumModel(keras.Model):
+class AccumModel(*_BACKEND_BASES, keras.Model):
     """A `keras.Model` that accumulates gradients over `accum_steps` batches.
 
     Each batch that `fit` feeds a step is a *micro-batch*. `AccumModel`
@@ -132,7 +154,12 @@ class AccumModel(keras.Model):
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.
-        RuntimeError: If Keras runs on a backend other than TensorFlow.
+        RuntimeError: If Keras runs on a backend other than TensorFlow or
+            JAX.
+        NotImplementedError: On JAX, for what it does not support yet: an
+            `accum_steps` callable, `PseudoBatchLogger`,
+            `AccumBatchNormalization`, mixed precision (`LossScaleOptimizer`)
+            and `keras.distribution`.
 
     Example:
 
@@ -162,8 +189,9 @@ class AccumModel(keras.Model):
         partial_window: str = "apply",
         **kwargs: Any,
     ) -> None:
-        _require_tensorflow_backend()
+        _require_supported_backend()
         accum_steps = check_accum_schedule(accum_steps)
+        _check_accum_steps_for_backend(accum_steps)
         partial_window = check_partial_window(partial_window)
         if isinstance(self, Functional):
             if kwargs.get("name") is None:
@@ -273,6 +301,7 @@ class AccumModel(keras.Model):
     @accum_steps.setter
     def accum_steps(self, value: AccumSteps) -> None:
         value = check_accum_schedule(value)
+        _check_accum_steps_for_backend(value)
         if callable(value) or callable(self._accum_steps):
             self.train_function = None
             self._flush_function = None
@@ -284,7 +313,7 @@ class AccumModel(keras.Model):
         """Micro-batches the open window (or else the last one) closes at."""
         if self._window is None:
             return self._steps_for_now() or 1
-        return int(self._window.window_length.value.numpy())
+        return _read_int(self._window.window_length)
 
     def _steps_for_now(self) -> int | None:
         """The window length the configuration gives now, if static."""
@@ -318,14 +347,14 @@ class AccumModel(keras.Model):
         """Micro-batches in the window now open; 0 right after an update."""
         if self._window is None:
             return 0
-        return int(self._window.mini_step.value.numpy())
+        return _read_int(self._window.mini_step)
 
     @property
     def skipped_windows(self) -> int:
         """Windows not applied because their gradient was not finite."""
         if self._window is None:
             return 0
-        return int(self._window.skipped_windows.value.numpy())
+        return _read_int(self._window.skipped_windows)
 
     @property
     def accumulators(self) -> list:
@@ -425,6 +454,8 @@ class AccumModel(keras.Model):
             if isinstance(callbacks, keras.callbacks.CallbackList)
             else callbacks or []
         )
+        if _BACKEND == "jax":
+            _jax_trainer.check_fit_callbacks(listed)
         # Estimated in the step only while a callback asks for it, as
         # often as the most frequent asker wants.
         self._set_noise_scale_every(
@@ -525,6 +556,8 @@ class AccumModel(keras.Model):
         )
 
     def _ensure_window(self):
+        if _BACKEND == "jax":
+            return self._ensure_jax_window()
         if self._window is not None or getattr(self, "optimizer", None) is None:
             return
         if not all(layer.built for layer in self._flatten_layers()):
@@ -702,8 +735,12 @@ class AccumModel(keras.Model):
             self.train_function = None
             self._flush_function = None
 
-    def test_step(self, data):
-        return self._logs_for_strategy(super().test_step(data))
+    def test_step(self, *args):
+        # TensorFlow passes `(data)`; JAX `(state, data)`, statelessly.
+        outputs = super().test_step(*args)
+        if _BACKEND == "jax":
+            return outputs
+        return self._logs_for_strategy(outputs)
 
     def _logs_for_strategy(self, logs):
         """Works around Keras 3.15 reducing scalar logs with `axis=0`.
@@ -737,18 +774,21 @@ class AccumModel(keras.Model):
             # except that each carries the regularization once: keep it on
             # the window's first micro-batch only.
             regularization = self._regularization_loss(loss.dtype)
-            later = tf.cast(w.mini_step.value > 0, loss.dtype)
-            zero, one = tf.zeros((), "float32"), tf.ones((), "float32")
+            later = ops.cast(w.mini_step.value > 0, loss.dtype)
+            zero, one = ops.zeros((), "float32"), ops.ones((), "float32")
             return loss - later * regularization, one, zero
-        normalizer = tf.cast(normalizer, "float32")
+        normalizer = ops.cast(normalizer, "float32")
         objective = loss_module.unscale_loss_for_distribution(loss)
         return objective, normalizer, normalizer
 
     def _regularization_loss(self, dtype):
         losses = [self._aggregate_additional_loss(v) for v in self.losses]
         if not losses:
-            return tf.zeros((), dtype)
-        return tf.cast(tf.add_n(losses), dtype)
+            return ops.zeros((), dtype)
+        total = losses[0]
+        for value in losses[1:]:
+            total = ops.add(total, value)
+        return ops.cast(total, dtype)
 
     def _loss_normalizer(self, y, y_pred, sample_weight, batch_size):
         """The reduction in use and the divisor it applied to this batch.
@@ -785,11 +825,12 @@ class AccumModel(keras.Model):
             return reduction, batch_size
         pred = flat_pred[0]
         mask = get_keras_mask(pred)
-        shape = tf.shape(pred)
         # Loss functions reduce the last axis; the entries left are what
-        # "sum_over_batch_size" divides by.
-        if pred.shape.rank is not None and pred.shape.rank > 1:
-            entries = tf.reduce_prod(shape[:-1])
+        # "sum_over_batch_size" divides by. Dimensions are ints where known
+        # and scalar tensors where dynamic (TensorFlow).
+        rank = ops.ndim(pred)
+        if rank is not None and rank > 1:
+            entries = math.prod(ops.shape(pred)[:-1])
         else:
             entries = batch_size
         if reduction == "mean_with_sample_weight":
@@ -797,13 +838,15 @@ class AccumModel(keras.Model):
                 _single(sample_weight), mask, "float32", reduction
             )
             if weight is not None:
-                return reduction, tf.reduce_sum(tf.cast(weight, "float32"))
+                return reduction, ops.sum(ops.cast(weight, "float32"))
             return reduction, entries
         if mask is not None:
-            return reduction, tf.reduce_sum(tf.cast(mask, "float32"))
+            return reduction, ops.sum(ops.cast(mask, "float32"))
         return reduction, entries
 
     def _make_flush_function(self):
+        if _BACKEND == "jax":
+            return self._make_jax_flush_function()
         window = self._window
         strategy = self.distribute_strategy
         variables = self.trainable_weights

@@ -131,3 +131,18 @@ def train_pair(
                 np.testing.assert_allclose(u, v, atol=atol, rtol=1e-5)
     assert_same_weights(plain, accum, atol=atol)
     return max_weight_diff(plain, accum), plain_hist, accum_hist
+
+
+def train_to_an_open_window(model, x, y, batch_size):
+    """Adam on 70 samples, `accum_steps=4`, "carry": 2 updates, 1 open.
+
+    What both backends do before saving a model for the other one.
+    """
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+
+
+def continue_one_epoch(model, x, y, batch_size):
+    """The weights after one more epoch, as lists for JSON."""
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return [np.asarray(w).tolist() for w in model.get_weights()]

@@ -56,6 +56,7 @@ def test_every_page_exists_with_content(site):
         "guides/pseudo-batch-logger/index.html",
         "guides/schedules/index.html",
         "guides/noise-scale/index.html",
+        "guides/backends/index.html",
         "benchmarks/index.html",
         "changelog/index.html",
     ]:

@@ -1,0 +1,369 @@
+"""Runs the JAX-backend equivalence cases; prints their results as JSON.
+
+Started in a fresh process by `test_backends.py`, because Keras fixes its
+backend when it is first imported:
+
+    KERAS_BACKEND=jax python _jax_worker.py
+
+Each equivalence case trains a plain `keras.Model` at batch B * k and an
+`AccumModel` at batch B with `accum_steps=k`, from the same initial weights
+on the same data in the same order (`shuffle=False`), records both models'
+weights after every optimizer update, and reports the largest difference
+over all updates and both update counts. The other cases report what a
+save and load, or an unsupported feature, did. The test asserts on the
+results; this script only measures.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _helpers import (  # noqa: E402
+    UpdateRecorder,
+    accum_mlp,
+    continue_one_epoch,
+    max_weight_diff,
+    mlp,
+    regression_data,
+    train_to_an_open_window,
+)
+
+import keras_accum  # noqa: E402
+
+B, K = 8, 4
+
+
+def optimizer(name):
+    return {
+        "sgd": lambda: keras.optimizers.SGD(0.1),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        # Decoupled weight decay and clipping see the window's gradient.
+        "adamw_clipped": lambda: keras.optimizers.AdamW(
+            0.01, weight_decay=0.05, global_clipnorm=0.5
+        ),
+        # Summed losses make gradients B times larger: a smaller rate.
+        "sgd_sum": lambda: keras.optimizers.SGD(0.001, momentum=0.5),
+        "sgd_mean": lambda: keras.optimizers.SGD(0.05, momentum=0.5),
+    }[name]()
+
+
+def _diff_over_updates(plain_rec, accum_rec):
+    """The largest weight difference at the updates both models recorded.
+
+    With `steps_per_execution > 1` callbacks see the `AccumModel` only
+    every few micro-batches, so it records a subset of the updates; any
+    update it records that the plain model did not is a mismatch (inf).
+    """
+    plain = dict(plain_rec.updates)
+    if not accum_rec.updates or any(
+        i not in plain for i, _ in accum_rec.updates
+    ):
+        return float("inf")
+    worst = 0.0
+    for step, weights in accum_rec.updates:
+        for u, v in zip(weights, plain[step], strict=True):
+            worst = max(worst, float(np.max(np.abs(u - v))))
+    return worst
+
+
+def equivalence(
+    name,
+    opt="adam",
+    n=64,
+    epochs=2,
+    reduction="sum_over_batch_size",
+    weighted=False,
+    unknown_length=False,
+    layer_kwargs=None,
+    **compile_kwargs,
+):
+    x, y = regression_data(n=n)
+    sw = None
+    if weighted:
+        sw = np.random.default_rng(3).uniform(0, 2, n).astype("float32")
+    model_kwargs = {"layer_kwargs": layer_kwargs} if layer_kwargs else {}
+    plain = mlp(**model_kwargs)
+    accum = accum_mlp(K, **model_kwargs)
+    accum.set_weights(plain.get_weights())
+    plain.compile(optimizer=optimizer(opt), loss=_mse(reduction))
+    accum.compile(
+        optimizer=optimizer(opt), loss=_mse(reduction), **compile_kwargs
+    )
+    plain_rec, accum_rec = UpdateRecorder(), UpdateRecorder()
+    plain.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=B * K,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[plain_rec],
+    )
+    if unknown_length:
+        import tensorflow as tf
+
+        # `filter` hides the cardinality: the step cannot know an epoch's
+        # last batch, so the open window is applied after it.
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        data = data.filter(lambda a, b: True).batch(B)
+        accum.fit(data, epochs=epochs, verbose=0, callbacks=[accum_rec])
+    else:
+        accum.fit(
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=B,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[accum_rec],
+        )
+    return {
+        "case": name,
+        "max_weight_diff": max(
+            _diff_over_updates(plain_rec, accum_rec),
+            max_weight_diff(plain, accum),
+        ),
+        "compared_updates": len(accum_rec.updates),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "micro_batches": -(-n // B) * epochs,
+        "open_window": accum.mini_step,
+        "weights": len(accum.weights),
+        "plain_weights": len(plain.weights),
+    }
+
+
+def non_finite_window():
+    """A NaN in the first window's data: that window is skipped, whole.
+
+    Nothing of it reaches the weights or the optimizer (Adam's step count
+    included), so the run equals a plain model trained on the second
+    window's samples alone.
+    """
+    x, y = regression_data(n=64)
+    x[10, 0] = np.nan
+    plain = mlp()
+    accum = accum_mlp(K)
+    accum.set_weights(plain.get_weights())
+    plain.compile(optimizer=optimizer("adam"), loss="mse")
+    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    plain.fit(x[32:], y[32:], batch_size=B * K, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    return {
+        "case": "non_finite_window",
+        "max_weight_diff": max_weight_diff(plain, accum),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "skipped_windows": accum.skipped_windows,
+        "weights_finite": all(
+            bool(np.all(np.isfinite(w))) for w in accum.get_weights()
+        ),
+    }
+
+
+def _mse(reduction):
+    return keras.losses.MeanSquaredError(reduction=reduction)
+
+
+def epoch_schedule():
+    """`accum_steps={0: 2, 1: 4}` against batch 16, then batch 32."""
+    x, y = regression_data(n=70)
+    plain = mlp()
+    accum = mlp(keras_accum.AccumModel, accum_steps={0: 2, 1: 4})
+    accum.set_weights(plain.get_weights())
+    plain.compile(optimizer=optimizer("adam"), loss="mse")
+    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    for batch_size in (B * 2, B * 4):
+        plain.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    return {
+        "case": "epoch_schedule",
+        "max_weight_diff": max_weight_diff(plain, accum),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+    }
+
+
+def save_and_load():
+    """A `.keras` round trip on JAX, with a window open at the save."""
+    x, y = regression_data(n=70)
+    model = accum_mlp(K, partial_window="carry")
+    model.compile(optimizer=optimizer("adam"), loss="mse")
+    # 9 micro-batches: 2 updates and one micro-batch left open.
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+    result = {
+        "case": "save_and_load",
+        "loaded_class": type(loaded).__name__,
+        "is_accum_model": isinstance(loaded, keras_accum.AccumModel),
+        "accum_steps": loaded.accum_steps,
+        "partial_window": loaded.partial_window,
+        "weights_diff": max_weight_diff(model, loaded),
+        "predict_diff": float(
+            np.max(
+                np.abs(
+                    loaded.predict(x, verbose=0) - model.predict(x, verbose=0)
+                )
+            )
+        ),
+        "open_window": [model.mini_step, loaded.mini_step],
+        "accumulators_diff": max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(
+                model.accumulators, loaded.accumulators, strict=True
+            )
+        ),
+        "updates": [
+            int(model.optimizer.iterations.numpy()),
+            int(loaded.optimizer.iterations.numpy()),
+        ],
+    }
+    # The open window and the optimizer state came back: both continue
+    # identically.
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    result["continued_diff"] = max_weight_diff(model, loaded)
+    result["continued_updates"] = [
+        int(model.optimizer.iterations.numpy()),
+        int(loaded.optimizer.iterations.numpy()),
+    ]
+    loss = model.evaluate(x, y, verbose=0)
+    result["evaluate_finite"] = bool(np.isfinite(loss))
+    return result
+
+
+def across_backends(directory):
+    """Loads the TensorFlow-saved model; saves one for TensorFlow to load."""
+    x, y = regression_data(n=70)
+    loaded = keras.saving.load_model(
+        os.path.join(directory, "tensorflow.keras")
+    )
+    result = {
+        "case": "across_backends",
+        "loaded_is_accum_model": isinstance(loaded, keras_accum.AccumModel),
+        "loaded_open_window": loaded.mini_step,
+        "loaded_updates": int(loaded.optimizer.iterations.numpy()),
+        "loaded_predictions": loaded.predict(x, verbose=0).tolist(),
+        "loaded_continued": continue_one_epoch(loaded, x, y, B),
+    }
+    model = accum_mlp(K, partial_window="carry")
+    train_to_an_open_window(model, x, y, B)
+    model.save(os.path.join(directory, "jax.keras"))
+    result["saved_predictions"] = model.predict(x, verbose=0).tolist()
+    result["saved_continued"] = continue_one_epoch(model, x, y, B)
+    return result
+
+
+def refusal(name, build):
+    """Runs `build`; reports the error an unsupported feature raised."""
+    try:
+        build()
+    except Exception as error:  # noqa: BLE001
+        return {
+            "case": name,
+            "error": type(error).__name__,
+            "message": str(error),
+        }
+    return {"case": name, "error": None, "message": ""}
+
+
+def _fit_small(model, **fit_kwargs):
+    x, y = regression_data(n=16)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=B, verbose=0, **fit_kwargs)
+
+
+def _accum_batch_norm():
+    inputs = keras.Input((5,))
+    hidden = keras_accum.AccumBatchNormalization()(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    _fit_small(keras_accum.AccumModel(inputs, outputs, accum_steps=2))
+
+
+def main():
+    started = time.perf_counter()
+    cases = [
+        lambda: equivalence("sgd", "sgd"),
+        lambda: equivalence("adam", "adam"),
+        lambda: equivalence("adamw_clipped", "adamw_clipped"),
+        lambda: equivalence("uneven_last_batch", "adam", n=70),
+        lambda: equivalence(
+            "unknown_length_dataset", "sgd_momentum", n=70, unknown_length=True
+        ),
+        *(
+            # Uneven last batch, sample weights and a weight regularizer
+            # (counted once per window) under each reduction.
+            (
+                lambda reduction=reduction: equivalence(
+                    f"reduction_{reduction}",
+                    "sgd_sum" if reduction == "sum" else "sgd_mean",
+                    n=70,
+                    reduction=reduction,
+                    weighted=True,
+                    layer_kwargs={
+                        "kernel_regularizer": keras.regularizers.L2(0.01)
+                    },
+                )
+            )
+            for reduction in (
+                "sum_over_batch_size",
+                "sum",
+                "mean_with_sample_weight",
+            )
+        ),
+        lambda: equivalence(
+            "steps_per_execution_3", "adam", n=70, steps_per_execution=3
+        ),
+        lambda: equivalence("run_eagerly", "adam", epochs=1, run_eagerly=True),
+        epoch_schedule,
+        non_finite_window,
+        save_and_load,
+        lambda: refusal(
+            "callable_accum_steps",
+            lambda: accum_mlp(lambda updates: 2),
+        ),
+        lambda: refusal(
+            "pseudo_batch_logger",
+            lambda: _fit_small(
+                accum_mlp(2), callbacks=[keras_accum.PseudoBatchLogger()]
+            ),
+        ),
+        lambda: refusal("accum_batch_normalization", _accum_batch_norm),
+    ]
+    exchange = os.environ.get("KERAS_ACCUM_EXCHANGE_DIR")
+    if exchange:
+        cases.append(lambda: across_backends(exchange))
+    results = {"backend": keras.backend.backend(), "cases": []}
+    for index, run in enumerate(cases):
+        try:
+            results["cases"].append(run())
+        except Exception:  # noqa: BLE001
+            # Reported, not raised: the other cases still run.
+            results["cases"].append(
+                {
+                    "case": f"crashed_{index}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
+    results["seconds"] = time.perf_counter() - started
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Other Keras backends: `AccumModel` on JAX equals large-batch training.
+
+Keras fixes its backend when first imported, and this test session runs on
+TensorFlow, so the JAX cases run once, in a fresh process
+(`_jax_worker.py`, with `KERAS_BACKEND=jax`), which reports what it
+measured as JSON; the tests here assert on it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from _helpers import (
+    accum_mlp,
+    continue_one_epoch,
+    regression_data,
+    train_to_an_open_window,
+)
+
+import keras_accum
+
+WORKER = Path(__file__).with_name("_jax_worker.py")
+# The worker's micro-batch (`B` there).
+BATCH = 8
+TOLERANCE = 1e-6
+
+# Case: (optimizer updates, micro-batches) over the whole run.
+EQUIVALENCE = {
+    # 2 epochs of 64 samples: 8 micro-batches of 8, 2 windows of 4 each.
+    "sgd": (4, 16),
+    "adam": (4, 16),
+    "adamw_clipped": (4, 16),
+    # 2 epochs of 70 samples: windows of 4, 4 and 1 (the short last batch).
+    "uneven_last_batch": (6, 18),
+    "unknown_length_dataset": (6, 18),
+    "reduction_sum_over_batch_size": (6, 18),
+    "reduction_sum": (6, 18),
+    "reduction_mean_with_sample_weight": (6, 18),
+    "steps_per_execution_3": (6, 18),
+    "run_eagerly": (2, 8),
+}
+REFUSED = {
+    "callable_accum_steps": "An `accum_steps` callable",
+    "pseudo_batch_logger": "`PseudoBatchLogger`",
+    "accum_batch_normalization": "`AccumBatchNormalization`",
+}
+
+
+@pytest.fixture(scope="module")
+def exchange(tmp_path_factory):
+    """A TensorFlow-saved model for the worker to load, and its future."""
+    directory = tmp_path_factory.mktemp("exchange")
+    x, y = regression_data(n=70)
+    model = accum_mlp(4, partial_window="carry")
+    train_to_an_open_window(model, x, y, BATCH)
+    model.save(directory / "tensorflow.keras")
+    assert (model.mini_step, int(model.optimizer.iterations)) == (1, 2)
+    return {
+        "directory": directory,
+        "x": x,
+        "y": y,
+        "predictions": model.predict(x, verbose=0),
+        "continued": continue_one_epoch(model, x, y, BATCH),
+    }
+
+
+@pytest.fixture(scope="module")
+def jax_results(exchange):
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        # The equivalence is measured on CPU wherever the suite runs.
+        "JAX_PLATFORMS": "cpu",
+        "KERAS_ACCUM_EXCHANGE_DIR": str(exchange["directory"]),
+    }
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(WORKER)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(
+        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
+        None,
+    )
+    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(line[len("RESULTS ") :])
+    results["wall_seconds"] = time.perf_counter() - started
+    return results
+
+
+def _case(results, name):
+    crashed = [c for c in results["cases"] if "traceback" in c]
+    assert not crashed, "\n".join(c["traceback"] for c in crashed)
+    return next(c for c in results["cases"] if c["case"] == name)
+
+
+def test_worker_ran_on_jax(jax_results):
+    assert jax_results["backend"] == "jax"
+    names = {c["case"] for c in jax_results["cases"]}
+    expected = {
+        *EQUIVALENCE,
+        *REFUSED,
+        "epoch_schedule",
+        "non_finite_window",
+        "save_and_load",
+        "across_backends",
+    }
+    assert names == expected
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENCE))
+def test_jax_equals_large_batch_training(name, jax_results, report_diff):
+    case = _case(jax_results, name)
+    report_diff(case["max_weight_diff"], f"jax: {name}")
+    # Over every update both models recorded, and the final weights.
+    assert case["compared_updates"] >= 1, case
+    assert case["max_weight_diff"] < TOLERANCE, case
+    assert case["open_window"] == 0, case
+    # The window's state is not a weight of the model.
+    assert case["weights"] == case["plain_weights"], case
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENCE))
+def test_jax_iterations_count_updates_not_micro_batches(name, jax_results):
+    case = _case(jax_results, name)
+    updates, micro_batches = EQUIVALENCE[name]
+    assert case["micro_batches"] == micro_batches, case
+    assert case["updates"] == case["plain_updates"] == updates, case
+
+
+def test_jax_epoch_schedule(jax_results, report_diff):
+    # `{0: 2, 1: 4}`: batch 16 for an epoch (5 updates), then 32 (3).
+    case = _case(jax_results, "epoch_schedule")
+    report_diff(case["max_weight_diff"], "jax: epoch_schedule")
+    assert case["max_weight_diff"] < TOLERANCE, case
+    assert case["updates"] == case["plain_updates"] == 8, case
+
+
+def test_jax_skips_a_non_finite_window(jax_results, report_diff):
+    # The first of two windows holds a NaN sample: skipped whole, so the
+    # run equals one plain update on the second window's samples.
+    case = _case(jax_results, "non_finite_window")
+    report_diff(case["max_weight_diff"], "jax: non_finite_window")
+    assert case["skipped_windows"] == 1, case
+    assert case["updates"] == case["plain_updates"] == 1, case
+    assert case["weights_finite"], case
+    assert case["max_weight_diff"] < TOLERANCE, case
+
+
+def test_jax_save_and_load_round_trip(jax_results):
+    case = _case(jax_results, "save_and_load")
+    assert case["is_accum_model"], case
+    assert case["accum_steps"] == 4
+    assert case["partial_window"] == "carry"
+    assert case["weights_diff"] == 0.0
+    assert case["predict_diff"] <= TOLERANCE
+    # The window open at the save (one micro-batch) came back with it,
+    # and so did the optimizer: both models then train identically.
+    assert case["open_window"] == [1, 1]
+    assert case["accumulators_diff"] == 0.0
+    assert case["updates"] == [2, 2]
+    assert case["continued_updates"] == [4, 4]
+    assert case["continued_diff"] <= TOLERANCE
+    assert case["evaluate_finite"]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_jax_refuses_what_it_does_not_support_yet(name, jax_results):
+    case = _case(jax_results, name)
+    assert case["error"] == "NotImplementedError", case
+    assert REFUSED[name] in case["message"]
+    assert "not supported on the jax backend yet" in case["message"]
+    assert "Received:" in case["message"]
+
+
+def _max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+        for u, v in zip(a, b, strict=True)
+    )
+
+
+def test_tensorflow_saved_model_loads_and_trains_on_jax(jax_results, exchange):
+    # Saved on TensorFlow with one micro-batch open after 2 updates: JAX
+    # gets the weights, the optimizer and the open window, and its next
+    # epoch equals TensorFlow's.
+    case = _case(jax_results, "across_backends")
+    assert case["loaded_is_accum_model"]
+    assert case["loaded_open_window"] == 1
+    assert case["loaded_updates"] == 2
+    np.testing.assert_allclose(
+        case["loaded_predictions"], exchange["predictions"], atol=1e-6
+    )
+    assert _max_diff(case["loaded_continued"], exchange["continued"]) < 1e-6
+
+
+def test_jax_saved_model_loads_and_trains_on_tensorflow(jax_results, exchange):
+    case = _case(jax_results, "across_backends")
+    x, y = exchange["x"], exchange["y"]
+    loaded = keras.saving.load_model(exchange["directory"] / "jax.keras")
+    assert isinstance(loaded, keras_accum.AccumModel)
+    assert (loaded.mini_step, int(loaded.optimizer.iterations)) == (1, 2)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), case["saved_predictions"], atol=1e-6
+    )
+    continued = continue_one_epoch(loaded, x, y, BATCH)
+    assert _max_diff(continued, case["saved_continued"]) < 1e-6
