@@ -27,6 +27,7 @@ from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_accum import _jax_window
+from keras_accum.callbacks import PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
 
 
@@ -53,7 +54,7 @@ def check_fit_callbacks(callbacks) -> None:
     """Refuses callbacks that read window state JAX does not publish."""
     for callback in callbacks:
         # `PseudoBatchLogger` reads the loss rings of the TensorFlow step.
-        if hasattr(callback, "_on_window_epoch_end"):
+        if isinstance(callback, PseudoBatchLogger):
             raise unsupported(
                 f"`{type(callback).__name__}` (pseudo-batch logging and "
                 "the gradient noise scale)",

@@ -24,7 +24,8 @@ import jax
 import keras
 from keras import ops
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from keras.src.saving.keras_saveable import KerasSaveable
+
+from keras_accum._window_saving import SavedWindow
 
 ACC_DTYPE = "float32"
 # JAX computes in 32-bit integers unless x64 is enabled.
@@ -41,19 +42,6 @@ _INT_SCALARS = (
 )
 _SCALARS = _FLOAT_SCALARS + _INT_SCALARS
 
-# The keys `_tf_window.WindowState` saves besides the accumulators: one
-# format on both backends. `acc_grad_sq` (noise scale) stays 0 on JAX.
-_SAVED_COUNTERS = (
-    "acc_normalizer",
-    "acc_loss",
-    "acc_samples",
-    "acc_grad_sq",
-    "mini_step",
-    "epoch_step",
-    "window_length",
-    "skipped_windows",
-)
-
 # Window values inside the step: {"acc_grads": [...], "mini_step": ..., ...}
 WindowValues = dict[str, Any]
 
@@ -68,7 +56,7 @@ def _state_variable(name, shape, dtype):
     )
 
 
-class JaxWindowState(KerasSaveable):
+class JaxWindowState(SavedWindow):
     """The accumulation state of one `AccumModel` on the JAX backend.
 
     The attributes are those of `_tf_window.WindowState` that the JAX step
@@ -111,40 +99,6 @@ class JaxWindowState(KerasSaveable):
     def pack(self, window: WindowValues) -> list:
         """The inverse of `unpack`."""
         return [*window["acc_grads"], *(window[n] for n in _SCALARS)]
-
-    # -- Saving: Keras saves every `KerasSaveable` attribute of the model ----
-
-    def _obj_type(self):
-        # As `_tf_window.WindowState`: a kind Keras accepts whose attributes
-        # the saver does not walk for children.
-        return "Loss"
-
-    def save_own_variables(self, store):
-        for i, acc in enumerate(self.acc_grads):
-            store[f"acc_grad_{i}"] = acc
-        for name in _SAVED_COUNTERS:
-            store[name] = getattr(self, name)
-
-    def load_own_variables(self, store):
-        keys = list(store.keys())
-        if not keys:
-            # Saved before any training, or by a plain model: start fresh.
-            return
-        saved = sum(
-            key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
-            for key in keys
-        )
-        if saved != len(self.acc_grads):
-            raise ValueError(
-                f"The saved accumulation window holds {saved} gradient "
-                f"accumulators but this model has {len(self.acc_grads)} "
-                "trainable weights; load it into the same architecture."
-            )
-        for i, acc in enumerate(self.acc_grads):
-            acc.assign(store[f"acc_grad_{i}"])
-        for name in _SAVED_COUNTERS:
-            if name in keys:
-                getattr(self, name).assign(store[name])
 
 
 # -- Pure window maths, traced into the step ----------------------------------

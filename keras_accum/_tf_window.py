@@ -14,7 +14,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from keras.src.saving.keras_saveable import KerasSaveable
+
+from keras_accum._window_saving import SavedWindow
 
 ACC_DTYPE = "float32"
 # Updates remembered for `PseudoBatchLogger` between two reads.
@@ -35,21 +36,7 @@ def _state_variable(name, shape, dtype, aggregation):
     )
 
 
-# Saved with the model besides the accumulators: an open window survives a
-# save and load, `save_weights` and `BackupAndRestore`.
-_SAVED_COUNTERS = (
-    "acc_normalizer",
-    "acc_loss",
-    "acc_samples",
-    "acc_grad_sq",
-    "mini_step",
-    "epoch_step",
-    "window_length",
-    "skipped_windows",
-)
-
-
-class WindowState(KerasSaveable):
+class WindowState(SavedWindow):
     """The accumulation state of one `AccumModel`.
 
     Attributes:
@@ -148,40 +135,6 @@ class WindowState(KerasSaveable):
             )
         self.window_length.assign(accum_steps)
         self.target_length.assign(accum_steps)
-
-    # -- Saving: Keras saves every `KerasSaveable` attribute of the model ----
-
-    def _obj_type(self):
-        # Keras accepts only its own kinds here; it decides which attributes
-        # the saver skips when walking for children, and this has none.
-        return "Loss"
-
-    def save_own_variables(self, store):
-        for i, acc in enumerate(self.acc_grads):
-            store[f"acc_grad_{i}"] = acc
-        for name in _SAVED_COUNTERS:
-            store[name] = getattr(self, name)
-
-    def load_own_variables(self, store):
-        keys = list(store.keys())
-        if not keys:
-            # Saved before any training, or by a plain model: start fresh.
-            return
-        saved = sum(
-            key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
-            for key in keys
-        )
-        if saved != len(self.acc_grads):
-            raise ValueError(
-                f"The saved accumulation window holds {saved} gradient "
-                f"accumulators but this model has {len(self.acc_grads)} "
-                "trainable weights; load it into the same architecture."
-            )
-        for i, acc in enumerate(self.acc_grads):
-            acc.assign(store[f"acc_grad_{i}"])
-        for name in _SAVED_COUNTERS:
-            if name in keys:
-                getattr(self, name).assign(store[name])
 
     # -- Inside the train step (replica context) ---------------------------
 

@@ -9,19 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_throughput_script_smoke(tmp_path):
-    out = tmp_path / "throughput.json"
+def _run(script, out, *args):
+    """Runs `benchmarks/<script>` writing `out`; returns its JSON."""
     result = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_throughput.py"),
+            str(ROOT / "benchmarks" / script),
             "--models=mlp",
-            "--ks=1,4",
             "--jit=off",
-            "--spe=1",
-            "--rounds=1",
             "--samples-per-run=256",
             f"--out={out}",
+            *args,
         ],
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
         capture_output=True,
@@ -30,7 +28,17 @@ def test_throughput_script_smoke(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
+
+
+def test_throughput_script_smoke(tmp_path):
+    rows = _run(
+        "bench_throughput.py",
+        tmp_path / "throughput.json",
+        "--ks=1,4",
+        "--spe=1",
+        "--rounds=1",
+    )["rows"]
     assert {(r["variant"], r["k"]) for r in rows} == {
         ("plain", 1),
         ("accum", 1),
@@ -42,27 +50,13 @@ def test_throughput_script_smoke(tmp_path):
 
 
 def test_noise_overhead_script_smoke(tmp_path):
-    out = tmp_path / "noise_overhead.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_noise_overhead.py"),
-            "--models=mlp",
-            "--ks=4",
-            "--jit=off",
-            "--every=1,2",
-            "--rounds=3",
-            "--samples-per-run=256",
-            f"--out={out}",
-        ],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    report = _run(
+        "bench_noise_overhead.py",
+        tmp_path / "noise_overhead.json",
+        "--ks=4",
+        "--every=1,2",
+        "--rounds=3",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(out.read_text())
     rows = report["rows"]
     assert [r["noise_scale_every"] for r in rows] == [0, 1, 2]
     assert all(len(r["ratios"]) == 3 for r in rows)
