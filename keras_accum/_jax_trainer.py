@@ -51,14 +51,26 @@ def check_accum_steps(accum_steps) -> None:
 
 
 def check_fit_callbacks(callbacks) -> None:
-    """Refuses callbacks that read window state JAX does not publish."""
+    """Refuses callbacks that need what the JAX step does not compute."""
     for callback in callbacks:
-        # `PseudoBatchLogger` reads the loss rings of the TensorFlow step.
-        if isinstance(callback, PseudoBatchLogger):
+        if not isinstance(callback, PseudoBatchLogger):
+            continue
+        name = type(callback).__name__
+        # The estimates come from sums of squares only the TensorFlow step
+        # takes.
+        if callback.noise_scale:
             raise unsupported(
-                f"`{type(callback).__name__}` (pseudo-batch logging and "
-                "the gradient noise scale)",
-                f"callbacks=[..., {callback!r}, ...]",
+                f"`{name}(noise_scale=True)` (the gradient noise scale)",
+                f"noise_scale=True in callbacks=[..., {callback!r}, ...]. "
+                f"`{name}()` without it works on jax",
+            )
+        # Its event files are written with `tf.summary`.
+        if callback.log_dir is not None:
+            raise unsupported(
+                f"`{name}(log_dir=...)` (TensorBoard scalars of the "
+                "pseudo-batch loss)",
+                f"log_dir={callback.log_dir!r} in callbacks=[..., "
+                f"{callback!r}, ...]. `{name}()` without it works on jax",
             )
 
 

@@ -25,6 +25,7 @@ import keras
 from keras import ops
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
+from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
 ACC_DTYPE = "float32"
@@ -40,7 +41,15 @@ _INT_SCALARS = (
     "target_length",
     "skipped_windows",
 )
-_SCALARS = _FLOAT_SCALARS + _INT_SCALARS
+# What closed windows publish for `PseudoBatchLogger`, as on TensorFlow:
+# rings of `LOG_CAPACITY` entries and the count published so far. Carried
+# in the state, not saved.
+_FLOAT_RINGS = ("log_loss", "log_samples", "log_trace", "log_grad_sq")
+_INT_RINGS = ("log_update", "log_micro")
+_SCALARS = _FLOAT_SCALARS + _INT_SCALARS + ("log_count",)
+_RINGS = _FLOAT_RINGS + _INT_RINGS
+# Every named value, in the order the training state holds them.
+_NAMES = _SCALARS + _RINGS
 
 # Window values inside the step: {"acc_grads": [...], "mini_step": ..., ...}
 WindowValues = dict[str, Any]
@@ -70,6 +79,10 @@ class JaxWindowState(SavedWindow):
             squared-norm total.
         mini_step, epoch_step, steps_per_epoch, window_length,
             target_length, skipped_windows: Counters, as on TensorFlow.
+        log_loss, log_samples, log_update, log_micro, log_trace,
+            log_grad_sq, log_count: The rings of closed windows that
+            `PseudoBatchLogger` reads, as on TensorFlow (the noise-scale
+            rings hold NaN: JAX does not estimate it).
     """
 
     def __init__(self, trainable_variables, accum_steps: int):
@@ -79,26 +92,34 @@ class JaxWindowState(SavedWindow):
         ]
         for name in _FLOAT_SCALARS:
             setattr(self, name, _state_variable(name, (), ACC_DTYPE))
-        for name in _INT_SCALARS:
+        for name in (*_INT_SCALARS, "log_count"):
             setattr(self, name, _state_variable(name, (), COUNT_DTYPE))
+        for names, dtype in (
+            (_FLOAT_RINGS, ACC_DTYPE),
+            (_INT_RINGS, COUNT_DTYPE),
+        ):
+            for name in names:
+                setattr(
+                    self, name, _state_variable(name, (LOG_CAPACITY,), dtype)
+                )
         self.window_length.assign(accum_steps)
         self.target_length.assign(accum_steps)
 
     @property
     def variables(self) -> list:
         """Every window variable, in the order the training state holds."""
-        return [*self.acc_grads, *(getattr(self, n) for n in _SCALARS)]
+        return [*self.acc_grads, *(getattr(self, n) for n in _NAMES)]
 
     def unpack(self, values) -> WindowValues:
         """The flat values of `variables`, by name."""
         count = len(self.acc_grads)
-        window = dict(zip(_SCALARS, values[count:], strict=True))
+        window = dict(zip(_NAMES, values[count:], strict=True))
         window["acc_grads"] = list(values[:count])
         return window
 
     def pack(self, window: WindowValues) -> list:
         """The inverse of `unpack`."""
-        return [*window["acc_grads"], *(window[n] for n in _SCALARS)]
+        return [*window["acc_grads"], *(window[n] for n in _NAMES)]
 
 
 # -- Pure window maths, traced into the step ----------------------------------
@@ -185,7 +206,12 @@ def close(
         go, apply, keep, list(trainable_values), list(optimizer_values)
     )
 
-    window = dict(window)
+    window = _publish(
+        window,
+        ops.logical_and(should_close, has_samples),
+        window["acc_loss"] / divisor,
+        optimizer_values[_iterations_index(optimizer)],
+    )
     skipped = ops.logical_and(
         should_close, ops.logical_and(has_samples, ops.logical_not(finite))
     )
@@ -202,6 +228,43 @@ def close(
         should_close, ops.zeros_like(window["mini_step"]), window["mini_step"]
     )
     return window, trainable_values, optimizer_values
+
+
+def _publish(window, publish, loss, iterations):
+    """Writes the closing window into the logging rings if `publish`.
+
+    As on TensorFlow, every closed window with samples is published, a
+    skipped (non-finite) one included; `iterations` is the optimizer's
+    count after the update, if any.
+    """
+    window = dict(window)
+    slot = ops.logical_and(
+        ops.arange(LOG_CAPACITY, dtype=COUNT_DTYPE)
+        == window["log_count"] % LOG_CAPACITY,
+        publish,
+    )
+    nan = float("nan")
+    for name, value in (
+        ("log_loss", loss),
+        ("log_samples", window["acc_samples"]),
+        ("log_update", iterations),
+        ("log_micro", window["mini_step"]),
+        ("log_trace", nan),
+        ("log_grad_sq", nan),
+    ):
+        ring = window[name]
+        window[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)
+    window["log_count"] = window["log_count"] + ops.cast(publish, COUNT_DTYPE)
+    return window
+
+
+def _iterations_index(optimizer):
+    # Where `optimizer.iterations` sits in the optimizer's values.
+    return next(
+        i
+        for i, variable in enumerate(optimizer.variables)
+        if variable is optimizer.iterations
+    )
 
 
 def _all_finite(values):

@@ -15,11 +15,10 @@ import keras
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
+from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
 ACC_DTYPE = "float32"
-# Updates remembered for `PseudoBatchLogger` between two reads.
-LOG_CAPACITY = 256
 
 
 def _state_variable(name, shape, dtype, aggregation):

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
+from keras_accum._window_log import LOG_CAPACITY
+
 
 class PseudoBatch(NamedTuple):
     """One optimizer update of an `AccumModel`, as `PseudoBatchLogger` saw it.
@@ -210,8 +212,6 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         window = self.model._window
         self._read = 0 if window is None else _read_int(window.log_count)
-        from keras_accum._tf_window import LOG_CAPACITY
-
         # Read the ring before it can wrap: a callback fires after at most
         # `steps_per_execution` steps, each closing at most one window.
         steps = self.model.accum_steps
@@ -306,8 +306,6 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         window = self.model._window
         if window is None:
             return
-        from keras_accum._tf_window import LOG_CAPACITY
-
         count = _read_int(window.log_count)
         if count < self._read:  # The state was rebuilt by `compile()`.
             self._read = 0

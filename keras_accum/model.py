@@ -157,9 +157,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         RuntimeError: If Keras runs on a backend other than TensorFlow or
             JAX.
         NotImplementedError: On JAX, for what it does not support yet: an
-            `accum_steps` callable, `PseudoBatchLogger`,
-            `AccumBatchNormalization`, mixed precision (`LossScaleOptimizer`)
-            and `keras.distribution`.
+            `accum_steps` callable, `PseudoBatchLogger` with `noise_scale`
+            or `log_dir`, `AccumBatchNormalization`, mixed precision
+            (`LossScaleOptimizer`) and `keras.distribution`.
 
     Example:
 

@@ -146,3 +146,44 @@ def continue_one_epoch(model, x, y, batch_size):
     """The weights after one more epoch, as lists for JSON."""
     model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
     return [np.asarray(w).tolist() for w in model.get_weights()]
+
+
+def numpy_weights(model, seed=1):
+    """Sets the weights from numpy's generator: the same on every backend.
+
+    Keras's initialisers draw from the backend's own generator, so `mlp`'s
+    weights for one seed differ between TensorFlow and JAX.
+    """
+    rng = np.random.default_rng(seed)
+    model.set_weights(
+        [
+            rng.normal(scale=0.5, size=w.shape).astype("float32")
+            for w in model.get_weights()
+        ]
+    )
+
+
+def log_pseudo_batches(model, x, y, batch_size):
+    """Adam, 2 epochs with `PseudoBatchLogger()`; what it logged, for JSON.
+
+    What both backends run to compare their pseudo-batch losses.
+    """
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    return {
+        "updates": [
+            [u.update, u.loss, u.samples, u.micro_batches]
+            for u in logger.updates
+        ],
+        "loss_mean": history.history["pseudo_batch_loss_mean"],
+        "loss_std": history.history["pseudo_batch_loss_std"],
+    }

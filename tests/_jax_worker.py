@@ -10,8 +10,8 @@ Each equivalence case trains a plain `keras.Model` at batch B * k and an
 on the same data in the same order (`shuffle=False`), records both models'
 weights after every optimizer update, and reports the largest difference
 over all updates and both update counts. The other cases report what a
-save and load, or an unsupported feature, did. The test asserts on the
-results; this script only measures.
+save and load, `PseudoBatchLogger`, or an unsupported feature, did. The
+test asserts on the results; this script only measures.
 """
 
 import json
@@ -32,8 +32,10 @@ from _helpers import (  # noqa: E402
     UpdateRecorder,
     accum_mlp,
     continue_one_epoch,
+    log_pseudo_batches,
     max_weight_diff,
     mlp,
+    numpy_weights,
     regression_data,
     train_to_an_open_window,
 )
@@ -270,6 +272,15 @@ def across_backends(directory):
     return result
 
 
+def pseudo_batch_logger():
+    """`PseudoBatchLogger()` over 70 samples, 2 epochs; the test compares
+    what it logged with TensorFlow's on the same weights and data."""
+    x, y = regression_data(n=70)
+    model = accum_mlp(K)
+    numpy_weights(model)
+    return {"case": "pseudo_batch_logger", **log_pseudo_batches(model, x, y, B)}
+
+
 def refusal(name, build):
     """Runs `build`; reports the error an unsupported feature raised."""
     try:
@@ -334,14 +345,25 @@ def main():
         epoch_schedule,
         non_finite_window,
         save_and_load,
+        pseudo_batch_logger,
         lambda: refusal(
             "callable_accum_steps",
             lambda: accum_mlp(lambda updates: 2),
         ),
         lambda: refusal(
-            "pseudo_batch_logger",
+            "pseudo_batch_logger_noise_scale",
             lambda: _fit_small(
-                accum_mlp(2), callbacks=[keras_accum.PseudoBatchLogger()]
+                accum_mlp(2),
+                callbacks=[keras_accum.PseudoBatchLogger(noise_scale=True)],
+            ),
+        ),
+        lambda: refusal(
+            "pseudo_batch_logger_log_dir",
+            lambda: _fit_small(
+                accum_mlp(2),
+                callbacks=[
+                    keras_accum.PseudoBatchLogger(log_dir=tempfile.mkdtemp())
+                ],
             ),
         ),
         lambda: refusal("accum_batch_normalization", _accum_batch_norm),

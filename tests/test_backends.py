@@ -19,6 +19,8 @@ import pytest
 from _helpers import (
     accum_mlp,
     continue_one_epoch,
+    log_pseudo_batches,
+    numpy_weights,
     regression_data,
     train_to_an_open_window,
 )
@@ -47,7 +49,8 @@ EQUIVALENCE = {
 }
 REFUSED = {
     "callable_accum_steps": "An `accum_steps` callable",
-    "pseudo_batch_logger": "`PseudoBatchLogger`",
+    "pseudo_batch_logger_noise_scale": "`PseudoBatchLogger(noise_scale=True)`",
+    "pseudo_batch_logger_log_dir": "`PseudoBatchLogger(log_dir=...)`",
     "accum_batch_normalization": "`AccumBatchNormalization`",
 }
 
@@ -115,6 +118,7 @@ def test_worker_ran_on_jax(jax_results):
         "epoch_schedule",
         "non_finite_window",
         "save_and_load",
+        "pseudo_batch_logger",
         "across_backends",
     }
     assert names == expected
@@ -174,6 +178,26 @@ def test_jax_save_and_load_round_trip(jax_results):
     assert case["continued_updates"] == [4, 4]
     assert case["continued_diff"] <= TOLERANCE
     assert case["evaluate_finite"]
+
+
+def test_jax_pseudo_batch_losses_equal_tensorflow(jax_results):
+    # The same weights and data on both backends: the same windows, and
+    # their losses to float32 rounding.
+    case = _case(jax_results, "pseudo_batch_logger")
+    x, y = regression_data(n=70)
+    model = accum_mlp(4)
+    numpy_weights(model)
+    expected = log_pseudo_batches(model, x, y, BATCH)
+    # 70 samples per epoch at batch 8: windows of 4, 4 and 1 micro-batches.
+    counts = [[u, s, m] for u, _, s, m in case["updates"]]
+    assert counts == [[u, s, m] for u, _, s, m in expected["updates"]]
+    assert counts[:3] == [[1, 32, 4], [2, 32, 4], [3, 6, 1]]
+    losses = [u[1] for u in case["updates"]]
+    expected_losses = [u[1] for u in expected["updates"]]
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for key in ("loss_mean", "loss_std"):
+        assert len(case[key]) == 2, case
+        np.testing.assert_allclose(case[key], expected[key], rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
