@@ -7,6 +7,10 @@ an `AccumModel` at batch `B` with `accum_steps=k`.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
@@ -187,3 +191,26 @@ def log_pseudo_batches(model, x, y, batch_size):
         "loss_mean": history.history["pseudo_batch_loss_mean"],
         "loss_std": history.history["pseudo_batch_loss_std"],
     }
+
+
+def run_worker(args, env):
+    """Runs `python *args` in a fresh process; returns its RESULTS JSON.
+
+    The workers print one line `RESULTS {...}` with what they measured;
+    tests assert on it. A crash fails here with the worker's stderr.
+    """
+    result = subprocess.run(
+        [sys.executable, *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(
+        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
+        None,
+    )
+    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(line[len("RESULTS ") :])

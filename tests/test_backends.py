@@ -6,11 +6,7 @@ TensorFlow, so the JAX cases run once, in a fresh process
 measured as JSON; the tests here assert on it.
 """
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import keras
@@ -22,6 +18,7 @@ from _helpers import (
     log_pseudo_batches,
     numpy_weights,
     regression_data,
+    run_worker,
     train_to_an_open_window,
 )
 
@@ -83,24 +80,7 @@ def jax_results(exchange):
         "JAX_PLATFORMS": "cpu",
         "KERAS_ACCUM_EXCHANGE_DIR": str(exchange["directory"]),
     }
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, str(WORKER)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(
-        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
-        None,
-    )
-    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads(line[len("RESULTS ") :])
-    results["wall_seconds"] = time.perf_counter() - started
-    return results
+    return run_worker([WORKER], env)
 
 
 def _case(results, name):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import run_worker
 
 WORKER = Path(__file__).with_name("_distributed_worker.py")
 CASES = {
@@ -46,19 +47,8 @@ def _check(results, report_diff, label):
 
 
 def test_mirrored_strategy_two_logical_cpus(report_diff):
-    result = subprocess.run(
-        [sys.executable, str(WORKER), "mirrored"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(
-        x for x in result.stdout.splitlines() if x.startswith("RESULTS ")
-    )
-    _check(json.loads(line[len("RESULTS ") :]), report_diff, "Mirrored, 2 CPUs")
+    results = run_worker([WORKER, "mirrored"], _env())
+    _check(results, report_diff, "Mirrored, 2 CPUs")
 
 
 def _free_ports(n):
