@@ -323,6 +323,30 @@ def test_unknown_steps_per_epoch_applies_after_last_step(report_diff):
     report_diff(max_weight_diff(plain, accum))
 
 
+def test_carried_window_on_unknown_length_counts_only_real_batches(
+    report_diff,
+):
+    # Such an epoch ends with a call that finds the data exhausted; it must
+    # not count as a micro-batch, or the carried window would close one
+    # micro-batch early. Reference: the same data with a known length.
+    x, y = regression_data(n=70)
+    known = accum_mlp(K, partial_window="carry")
+    unknown = accum_mlp(K, partial_window="carry")
+    for model in (known, unknown):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    known.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    logger = keras_accum.PseudoBatchLogger()
+    unknown.fit(
+        _unknown_length(x, y, B), epochs=2, verbose=0, callbacks=[logger]
+    )
+    assert unknown.mini_step == known.mini_step == 2
+    assert int(unknown.optimizer.iterations) == 4
+    # 9 micro-batches, then 9 more carried on from the 1 left open.
+    assert [u.micro_batches for u in logger.updates] == [4, 4, 4, 4]
+    report_diff(max_weight_diff(known, unknown))
+    np.testing.assert_allclose(max_weight_diff(known, unknown), 0.0, atol=1e-6)
+
+
 def test_carry_partial_window_into_next_epoch(report_diff):
     x, y = regression_data(n=70)
     accum = accum_mlp(K, partial_window="carry")
