@@ -10,7 +10,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from keras_accum._window_log import LOG_CAPACITY
+from keras_accum._window_log import LOG_CAPACITY, read_int
 
 
 class PseudoBatch(NamedTuple):
@@ -211,7 +211,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         window = self.model._window
-        self._read = 0 if window is None else _read_int(window.log_count)
+        self._read = 0 if window is None else read_int(window.log_count)
         # Read the ring before it can wrap: a callback fires after at most
         # `steps_per_execution` steps, each closing at most one window.
         steps = self.model.accum_steps
@@ -306,7 +306,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         window = self.model._window
         if window is None:
             return
-        count = _read_int(window.log_count)
+        count = read_int(window.log_count)
         if count < self._read:  # The state was rebuilt by `compile()`.
             self._read = 0
         if count == self._read:
@@ -355,7 +355,3 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                         self.noise_scale_estimate,
                         step=new[-1].update,
                     )
-
-
-def _read_int(variable) -> int:
-    return int(np.asarray(variable.numpy()))

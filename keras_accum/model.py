@@ -23,6 +23,7 @@ from keras_accum._validation import (
     check_partial_window,
     steps_for_epoch,
 )
+from keras_accum._window_log import read_int
 from keras_accum.layers import AccumBatchNormalization
 
 _BACKEND = keras.backend.backend()
@@ -58,10 +59,6 @@ def _require_supported_backend() -> None:
 def _check_accum_steps_for_backend(accum_steps) -> None:
     if _BACKEND == "jax":
         _jax_trainer.check_accum_steps(accum_steps)
-
-
-def _read_int(variable) -> int:
-    return int(ops.convert_to_numpy(variable.value))
 
 
 def _functional_init_arguments(args, kwargs) -> bool:
@@ -313,7 +310,7 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         """Micro-batches the open window (or else the last one) closes at."""
         if self._window is None:
             return self._steps_for_now() or 1
-        return _read_int(self._window.window_length)
+        return read_int(self._window.window_length)
 
     def _steps_for_now(self) -> int | None:
         """The window length the configuration gives now, if static."""
@@ -347,14 +344,14 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         """Micro-batches in the window now open; 0 right after an update."""
         if self._window is None:
             return 0
-        return _read_int(self._window.mini_step)
+        return read_int(self._window.mini_step)
 
     @property
     def skipped_windows(self) -> int:
         """Windows not applied because their gradient was not finite."""
         if self._window is None:
             return 0
-        return _read_int(self._window.skipped_windows)
+        return read_int(self._window.skipped_windows)
 
     @property
     def accumulators(self) -> list:
