@@ -2,7 +2,7 @@
 
 Keras's JAX trainer runs `train_step(state, data) -> (logs, state)`, jitted,
 with `state = (trainable, non_trainable, optimizer, metrics)` values. The
-window's values (`_jax_window.JaxWindowState`) ride at the end of the
+window's values (`_window_rules.WindowVariables`) ride at the end of the
 optimizer slot: Keras then hands them to the step, donates their buffers,
 and keeps them across steps like the optimizer's own state, and callbacks
 that sync the model mid-epoch see them too.
@@ -11,8 +11,10 @@ that sync the model mid-epoch see them too.
 Keras picks its trainer by backend. It overrides the Keras JAX trainer's
 hooks (`make_train_function`, `_get_jax_state`, `jax_state_sync`,
 `_symbolic_build`); where `AccumModel` itself defines a method that differs
-by backend, that method calls the JAX one here (`_ensure_jax_window`,
-`_make_jax_flush_function`).
+by backend, that method calls the JAX one here
+(`_make_value_flush_function`). The window rules themselves are shared with
+PyTorch (`_window_rules.py`); this module only runs them in a jitted step,
+with `jax.lax.cond` around the stateless optimizer apply.
 """
 
 from __future__ import annotations
@@ -22,56 +24,10 @@ import warnings
 import jax
 import keras
 from keras.src import backend, tree
-from keras.src.backend.config import is_nnx_enabled
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_accum import _jax_window
-from keras_accum.callbacks import PseudoBatchLogger
-from keras_accum.layers import AccumBatchNormalization
-
-
-def unsupported(feature: str, received: str) -> NotImplementedError:
-    """The error for a feature the JAX backend does not support yet."""
-    return NotImplementedError(
-        f"{feature} is not supported on the jax backend yet. Use the "
-        "TensorFlow backend for it (`export KERAS_BACKEND=tensorflow` "
-        f"before Python imports Keras). Received: {received}"
-    )
-
-
-def check_accum_steps(accum_steps) -> None:
-    """Refuses what the JAX step cannot honour in `accum_steps`."""
-    if callable(accum_steps):
-        raise unsupported(
-            "An `accum_steps` callable (a schedule of the update count)",
-            f"accum_steps={accum_steps!r}. An int or a schedule by epoch "
-            "(`{epoch: steps}`) works on jax",
-        )
-
-
-def check_fit_callbacks(callbacks) -> None:
-    """Refuses callbacks that need what the JAX step does not compute."""
-    for callback in callbacks:
-        if not isinstance(callback, PseudoBatchLogger):
-            continue
-        name = type(callback).__name__
-        # The estimates come from sums of squares only the TensorFlow step
-        # takes.
-        if callback.noise_scale:
-            raise unsupported(
-                f"`{name}(noise_scale=True)` (the gradient noise scale)",
-                f"noise_scale=True in callbacks=[..., {callback!r}, ...]. "
-                f"`{name}()` without it works on jax",
-            )
-        # Its event files are written with `tf.summary`.
-        if callback.log_dir is not None:
-            raise unsupported(
-                f"`{name}(log_dir=...)` (TensorBoard scalars of the "
-                "pseudo-batch loss)",
-                f"log_dir={callback.log_dir!r} in callbacks=[..., "
-                f"{callback!r}, ...]. `{name}()` without it works on jax",
-            )
+from keras_accum import _window_rules
+from keras_accum._backend_support import check_model
 
 
 class JaxAccumTrainer:
@@ -83,47 +39,6 @@ class JaxAccumTrainer:
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
         # The window's values must be in the state handed to the first step.
         self._ensure_window()
-
-    def _ensure_jax_window(self):
-        if self._window is not None or getattr(self, "optimizer", None) is None:
-            return
-        if not all(layer.built for layer in self._flatten_layers()):
-            return
-        self._check_jax_support()
-        if not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        self._window = _jax_window.JaxWindowState(
-            self.trainable_weights, self._steps_for_now() or 1
-        )
-        self._window_refs = [id(v) for v in self.trainable_weights]
-        self._window.steps_per_epoch.assign(self._steps_per_epoch)
-
-    def _check_jax_support(self):
-        batch_norms = [
-            layer.name
-            for layer in self._flatten_layers()
-            if isinstance(layer, AccumBatchNormalization)
-        ]
-        if batch_norms:
-            raise unsupported(
-                "`AccumBatchNormalization`",
-                f"layers {batch_norms} in model {self.name!r}. "
-                "`keras.layers.BatchNormalization` works on jax (moving "
-                "statistics updated per micro-batch)",
-            )
-        optimizer = getattr(self, "optimizer", None)
-        if isinstance(optimizer, LossScaleOptimizer):
-            raise unsupported(
-                "A `LossScaleOptimizer` (mixed precision)",
-                f"optimizer={optimizer.name!r}",
-            )
-        if keras.distribution.distribution() is not None:
-            raise unsupported(
-                "`keras.distribution`",
-                f"distribution={keras.distribution.distribution()!r}",
-            )
-        if is_nnx_enabled():
-            raise unsupported("Flax NNX mode", "nnx enabled in Keras config")
 
     # -- State plumbing: the window rides in the optimizer slot -------------
 
@@ -177,7 +92,7 @@ class JaxAccumTrainer:
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return
-        self._check_jax_support()
+        check_model(self)
         # `AccumModel.train_step` is the TensorFlow step; this is the JAX one.
         step = self._jax_train_step
         if not self.run_eagerly and self.jit_compile:
@@ -213,13 +128,13 @@ class JaxAccumTrainer:
         loss, y_pred, non_trainable, metrics, weight, normalizer, term = aux
 
         # Added to the window; applied once per window, in the step.
-        window = _jax_window.accumulate(
+        window = _window_rules.accumulate(
             window, grads, weight, normalizer, term, batch_size
         )
-        complete = _jax_window.is_complete(
+        complete = _window_rules.is_complete(
             window, self._partial_window == "apply"
         )
-        window, trainable, optimizer_values = _jax_window.close(
+        window, trainable, optimizer_values = _close(
             window, complete, self.optimizer, trainable, optimizer_values
         )
 
@@ -304,13 +219,13 @@ class JaxAccumTrainer:
 
     # -- Applying an open window outside the step ---------------------------
 
-    def _make_jax_flush_function(self):
+    def _make_value_flush_function(self):
         window_state = self._window
         optimizer = self.optimizer
 
         def flush_step(trainable, optimizer_values, window_values):
             window = window_state.unpack(window_values)
-            window, trainable, optimizer_values = _jax_window.close(
+            window, trainable, optimizer_values = _close(
                 window,
                 window["mini_step"] > 0,
                 optimizer,
@@ -338,3 +253,43 @@ class JaxAccumTrainer:
                     variable.assign(value)
 
         return flush
+
+
+def _close(window, should_close, optimizer, trainable_values, optimizer_values):
+    """`_window_rules.close` with a stateless apply under `jax.lax.cond`.
+
+    Returns:
+        `(window, trainable_values, optimizer_values)`, new values.
+    """
+    new = {}
+
+    def update(go, gradients):
+        def apply(trainable_values, optimizer_values):
+            grads = [
+                keras.ops.cast(g, value.dtype)
+                for g, value in zip(gradients(), trainable_values, strict=True)
+            ]
+            return optimizer.stateless_apply(
+                optimizer_values, grads, trainable_values
+            )
+
+        def keep(trainable_values, optimizer_values):
+            return list(trainable_values), list(optimizer_values)
+
+        # Only the chosen branch runs: one optimizer apply per window.
+        new["trainable"], new["optimizer"] = jax.lax.cond(
+            go, apply, keep, list(trainable_values), list(optimizer_values)
+        )
+        return new["optimizer"][_iterations_index(optimizer)]
+
+    window = _window_rules.close(window, should_close, update)
+    return window, new["trainable"], new["optimizer"]
+
+
+def _iterations_index(optimizer):
+    # Where `optimizer.iterations` sits in the optimizer's values.
+    return next(
+        i
+        for i, variable in enumerate(optimizer.variables)
+        if variable is optimizer.iterations
+    )

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import ops
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
@@ -18,6 +17,7 @@ from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.naming import auto_name
 
+from keras_accum import _backend_support, _window_rules
 from keras_accum._validation import (
     check_accum_schedule,
     check_partial_window,
@@ -27,13 +27,21 @@ from keras_accum._window_log import read_int
 from keras_accum.layers import AccumBatchNormalization
 
 _BACKEND = keras.backend.backend()
-_SUPPORTED_BACKENDS = ("tensorflow", "jax")
-if _BACKEND == "jax":
-    # Keras's JAX trainer hooks (state plumbing, the stateless step), the
-    # way Keras picks its trainer base class by backend.
-    from keras_accum import _jax_trainer
+_SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
+# The step of each backend, the way Keras picks its trainer base class by
+# backend; only the chosen backend's framework is imported.
+if _BACKEND == "tensorflow":
+    import tensorflow as tf
 
-    _BACKEND_BASES = (_jax_trainer.JaxAccumTrainer,)
+    _BACKEND_BASES = ()
+elif _BACKEND == "jax":
+    from keras_accum._jax_trainer import JaxAccumTrainer
+
+    _BACKEND_BASES = (JaxAccumTrainer,)
+elif _BACKEND == "torch":
+    from keras_accum._torch_trainer import TorchAccumTrainer
+
+    _BACKEND_BASES = (TorchAccumTrainer,)
 else:
     _BACKEND_BASES = ()
 
@@ -48,17 +56,17 @@ def _require_supported_backend() -> None:
     backend = keras.backend.backend()
     if backend not in _SUPPORTED_BACKENDS:
         raise RuntimeError(
-            "keras_accum.AccumModel currently supports the TensorFlow and "
-            f"JAX backends only. Received: backend={backend!r}. Select "
-            "TensorFlow with `export KERAS_BACKEND=tensorflow` before Python "
+            "keras_accum.AccumModel supports the TensorFlow, JAX and "
+            f"PyTorch backends. Received: backend={backend!r}. Select one "
+            "with e.g. `export KERAS_BACKEND=tensorflow` before Python "
             'imports Keras, or set `"backend": "tensorflow"` in '
             "~/.keras/keras.json."
         )
 
 
 def _check_accum_steps_for_backend(accum_steps) -> None:
-    if _BACKEND == "jax":
-        _jax_trainer.check_accum_steps(accum_steps)
+    if _BACKEND != "tensorflow":
+        _backend_support.check_accum_steps(accum_steps)
 
 
 def _functional_init_arguments(args, kwargs) -> bool:
@@ -451,8 +459,8 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             if isinstance(callbacks, keras.callbacks.CallbackList)
             else callbacks or []
         )
-        if _BACKEND == "jax":
-            _jax_trainer.check_fit_callbacks(listed)
+        if _BACKEND != "tensorflow":
+            _backend_support.check_fit_callbacks(listed)
         # Estimated in the step only while a callback asks for it, as
         # often as the most frequent asker wants.
         self._set_noise_scale_every(
@@ -553,12 +561,12 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         )
 
     def _ensure_window(self):
-        if _BACKEND == "jax":
-            return self._ensure_jax_window()
         if self._window is not None or getattr(self, "optimizer", None) is None:
             return
         if not all(layer.built for layer in self._flatten_layers()):
             return
+        if _BACKEND != "tensorflow":
+            return self._ensure_value_window()
         from keras_accum._tf_window import WindowState
 
         strategy = self.distribute_strategy
@@ -577,6 +585,17 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             self._steps_for_now() or 1,
             strategy,
             close_hooks=[layer._close_window for layer in batch_norms],
+        )
+        self._window_refs = [id(v) for v in self.trainable_weights]
+        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _ensure_value_window(self):
+        # JAX and PyTorch: the window as variables the shared rules advance.
+        _backend_support.check_model(self)
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+        self._window = _window_rules.WindowVariables(
+            self.trainable_weights, self._steps_for_now() or 1
         )
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
@@ -733,9 +752,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             self._flush_function = None
 
     def test_step(self, *args):
-        # TensorFlow passes `(data)`; JAX `(state, data)`, statelessly.
+        # TensorFlow and PyTorch pass `(data)`; JAX `(state, data)`.
         outputs = super().test_step(*args)
-        if _BACKEND == "jax":
+        if _BACKEND != "tensorflow":
             return outputs
         return self._logs_for_strategy(outputs)
 
@@ -842,8 +861,8 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         return reduction, entries
 
     def _make_flush_function(self):
-        if _BACKEND == "jax":
-            return self._make_jax_flush_function()
+        if _BACKEND != "tensorflow":
+            return self._make_value_flush_function()
         window = self._window
         strategy = self.distribute_strategy
         variables = self.trainable_weights

@@ -1,8 +1,9 @@
-"""Other Keras backends: `AccumModel` on JAX equals large-batch training.
+"""Other Keras backends: `AccumModel` on JAX and PyTorch equals large-batch
+training.
 
 Keras fixes its backend when first imported, and this test session runs on
-TensorFlow, so the JAX cases run once, in a fresh process
-(`_jax_worker.py`, with `KERAS_BACKEND=jax`), which reports what it
+TensorFlow, so each other backend's cases run once, in a fresh process
+(`_backend_worker.py`, with `KERAS_BACKEND` set), which reports what it
 measured as JSON; the tests here assert on it.
 """
 
@@ -24,7 +25,8 @@ from _helpers import (
 
 import keras_accum
 
-WORKER = Path(__file__).with_name("_jax_worker.py")
+WORKER = Path(__file__).with_name("_backend_worker.py")
+BACKENDS = ("jax", "torch")
 # The worker's micro-batch (`B` there).
 BATCH = 8
 TOLERANCE = 1e-6
@@ -37,13 +39,34 @@ EQUIVALENCE = {
     "adamw_clipped": (4, 16),
     # 2 epochs of 70 samples: windows of 4, 4 and 1 (the short last batch).
     "uneven_last_batch": (6, 18),
+    "lr_schedule": (4, 16),
+    "clipnorm": (4, 16),
+    "clipvalue": (4, 16),
+    "class_weight": (6, 18),
+    "multi_output_loss_weights": (6, 18),
     "unknown_length_dataset": (6, 18),
     "reduction_sum_over_batch_size": (6, 18),
     "reduction_sum": (6, 18),
     "reduction_mean_with_sample_weight": (6, 18),
-    "steps_per_execution_3": (6, 18),
     "run_eagerly": (2, 8),
 }
+# What differs by backend: Keras's PyTorch trainer refuses
+# `steps_per_execution > 1`; its `jit_compile=True` is `torch.compile`.
+BACKEND_EQUIVALENCE = {
+    "jax": {"steps_per_execution_3": (6, 18)},
+    "torch": {"jit_compile": (2, 8)},
+}
+
+
+def _equivalence(backend):
+    return {**EQUIVALENCE, **BACKEND_EQUIVALENCE[backend]}
+
+
+EQUIVALENCE_CASES = [
+    (backend, name)
+    for backend in BACKENDS
+    for name in sorted(_equivalence(backend))
+]
 REFUSED = {
     "callable_accum_steps": "An `accum_steps` callable",
     "pseudo_batch_logger_noise_scale": "`PseudoBatchLogger(noise_scale=True)`",
@@ -71,16 +94,25 @@ def exchange(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def jax_results(exchange):
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        # The equivalence is measured on CPU wherever the suite runs.
-        "JAX_PLATFORMS": "cpu",
-        "KERAS_ACCUM_EXCHANGE_DIR": str(exchange["directory"]),
-    }
-    return run_worker([WORKER], env)
+def workers(exchange):
+    """`results(backend)`: the worker's report, run once per backend."""
+    reports = {}
+
+    def results(backend):
+        if backend not in reports:
+            env = {
+                **os.environ,
+                "KERAS_BACKEND": backend,
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+                # The equivalence is measured on CPU wherever the suite runs.
+                "JAX_PLATFORMS": "cpu",
+                "CUDA_VISIBLE_DEVICES": "",
+                "KERAS_ACCUM_EXCHANGE_DIR": str(exchange["directory"]),
+            }
+            reports[backend] = run_worker([WORKER], env)
+        return reports[backend]
+
+    return results
 
 
 def _case(results, name):
@@ -89,11 +121,15 @@ def _case(results, name):
     return next(c for c in results["cases"] if c["case"] == name)
 
 
-def test_worker_ran_on_jax(jax_results):
-    assert jax_results["backend"] == "jax"
-    names = {c["case"] for c in jax_results["cases"]}
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_worker_ran_on_the_backend(backend, workers):
+    results = workers(backend)
+    assert results["backend"] == backend
+    # The package imports only the backend in use: TensorFlow is optional.
+    assert results["tensorflow_at_import"] is False
+    names = {c["case"] for c in results["cases"]}
     expected = {
-        *EQUIVALENCE,
+        *_equivalence(backend),
         *REFUSED,
         "epoch_schedule",
         "non_finite_window",
@@ -104,10 +140,10 @@ def test_worker_ran_on_jax(jax_results):
     assert names == expected
 
 
-@pytest.mark.parametrize("name", sorted(EQUIVALENCE))
-def test_jax_equals_large_batch_training(name, jax_results, report_diff):
-    case = _case(jax_results, name)
-    report_diff(case["max_weight_diff"], f"jax: {name}")
+@pytest.mark.parametrize(("backend", "name"), EQUIVALENCE_CASES)
+def test_equals_large_batch_training(backend, name, workers, report_diff):
+    case = _case(workers(backend), name)
+    report_diff(case["max_weight_diff"], f"{backend}: {name}")
     # Over every update both models recorded, and the final weights.
     assert case["compared_updates"] >= 1, case
     assert case["max_weight_diff"] < TOLERANCE, case
@@ -116,35 +152,38 @@ def test_jax_equals_large_batch_training(name, jax_results, report_diff):
     assert case["weights"] == case["plain_weights"], case
 
 
-@pytest.mark.parametrize("name", sorted(EQUIVALENCE))
-def test_jax_iterations_count_updates_not_micro_batches(name, jax_results):
-    case = _case(jax_results, name)
-    updates, micro_batches = EQUIVALENCE[name]
+@pytest.mark.parametrize(("backend", "name"), EQUIVALENCE_CASES)
+def test_iterations_count_updates_not_micro_batches(backend, name, workers):
+    case = _case(workers(backend), name)
+    updates, micro_batches = _equivalence(backend)[name]
     assert case["micro_batches"] == micro_batches, case
     assert case["updates"] == case["plain_updates"] == updates, case
 
 
-def test_jax_epoch_schedule(jax_results, report_diff):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_epoch_schedule(backend, workers, report_diff):
     # `{0: 2, 1: 4}`: batch 16 for an epoch (5 updates), then 32 (3).
-    case = _case(jax_results, "epoch_schedule")
-    report_diff(case["max_weight_diff"], "jax: epoch_schedule")
+    case = _case(workers(backend), "epoch_schedule")
+    report_diff(case["max_weight_diff"], f"{backend}: epoch_schedule")
     assert case["max_weight_diff"] < TOLERANCE, case
     assert case["updates"] == case["plain_updates"] == 8, case
 
 
-def test_jax_skips_a_non_finite_window(jax_results, report_diff):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skips_a_non_finite_window(backend, workers, report_diff):
     # The first of two windows holds a NaN sample: skipped whole, so the
     # run equals one plain update on the second window's samples.
-    case = _case(jax_results, "non_finite_window")
-    report_diff(case["max_weight_diff"], "jax: non_finite_window")
+    case = _case(workers(backend), "non_finite_window")
+    report_diff(case["max_weight_diff"], f"{backend}: non_finite_window")
     assert case["skipped_windows"] == 1, case
     assert case["updates"] == case["plain_updates"] == 1, case
     assert case["weights_finite"], case
     assert case["max_weight_diff"] < TOLERANCE, case
 
 
-def test_jax_save_and_load_round_trip(jax_results):
-    case = _case(jax_results, "save_and_load")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_and_load_round_trip(backend, workers):
+    case = _case(workers(backend), "save_and_load")
     assert case["is_accum_model"], case
     assert case["accum_steps"] == 4
     assert case["partial_window"] == "carry"
@@ -160,10 +199,11 @@ def test_jax_save_and_load_round_trip(jax_results):
     assert case["evaluate_finite"]
 
 
-def test_jax_pseudo_batch_losses_equal_tensorflow(jax_results):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pseudo_batch_losses_equal_tensorflow(backend, workers):
     # The same weights and data on both backends: the same windows, and
     # their losses to float32 rounding.
-    case = _case(jax_results, "pseudo_batch_logger")
+    case = _case(workers(backend), "pseudo_batch_logger")
     x, y = regression_data(n=70)
     model = accum_mlp(4)
     numpy_weights(model)
@@ -180,12 +220,13 @@ def test_jax_pseudo_batch_losses_equal_tensorflow(jax_results):
         np.testing.assert_allclose(case[key], expected[key], rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_jax_refuses_what_it_does_not_support_yet(name, jax_results):
-    case = _case(jax_results, name)
+def test_refuses_what_it_does_not_support_yet(backend, name, workers):
+    case = _case(workers(backend), name)
     assert case["error"] == "NotImplementedError", case
     assert REFUSED[name] in case["message"]
-    assert "not supported on the jax backend yet" in case["message"]
+    assert f"not supported on the {backend} backend yet" in case["message"]
     assert "Received:" in case["message"]
 
 
@@ -196,11 +237,12 @@ def _max_diff(a, b):
     )
 
 
-def test_tensorflow_saved_model_loads_and_trains_on_jax(jax_results, exchange):
-    # Saved on TensorFlow with one micro-batch open after 2 updates: JAX
-    # gets the weights, the optimizer and the open window, and its next
-    # epoch equals TensorFlow's.
-    case = _case(jax_results, "across_backends")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensorflow_saved_model_loads_and_trains_on(backend, workers, exchange):
+    # Saved on TensorFlow with one micro-batch open after 2 updates: the
+    # other backend gets the weights, the optimizer and the open window,
+    # and its next epoch equals TensorFlow's.
+    case = _case(workers(backend), "across_backends")
     assert case["loaded_is_accum_model"]
     assert case["loaded_open_window"] == 1
     assert case["loaded_updates"] == 2
@@ -210,10 +252,11 @@ def test_tensorflow_saved_model_loads_and_trains_on_jax(jax_results, exchange):
     assert _max_diff(case["loaded_continued"], exchange["continued"]) < 1e-6
 
 
-def test_jax_saved_model_loads_and_trains_on_tensorflow(jax_results, exchange):
-    case = _case(jax_results, "across_backends")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saved_model_loads_and_trains_on_tensorflow(backend, workers, exchange):
+    case = _case(workers(backend), "across_backends")
     x, y = exchange["x"], exchange["y"]
-    loaded = keras.saving.load_model(exchange["directory"] / "jax.keras")
+    loaded = keras.saving.load_model(exchange["directory"] / f"{backend}.keras")
     assert isinstance(loaded, keras_accum.AccumModel)
     assert (loaded.mini_step, int(loaded.optimizer.iterations)) == (1, 2)
     np.testing.assert_allclose(

@@ -1,9 +1,10 @@
-"""Runs the JAX-backend equivalence cases; prints their results as JSON.
+"""Runs the equivalence cases on one backend; prints the results as JSON.
 
-Started in a fresh process by `test_backends.py`, because Keras fixes its
-backend when it is first imported:
+Started in a fresh process per backend by `test_backends.py`, because Keras
+fixes its backend when it is first imported:
 
-    KERAS_BACKEND=jax python _jax_worker.py
+    KERAS_BACKEND=jax python _backend_worker.py
+    KERAS_BACKEND=torch python _backend_worker.py
 
 Each equivalence case trains a plain `keras.Model` at batch B * k and an
 `AccumModel` at batch B with `accum_steps=k`, from the same initial weights
@@ -21,7 +22,6 @@ import tempfile
 import time
 import traceback
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _helpers import (  # noqa: E402
     UpdateRecorder,
     accum_mlp,
+    classification_data,
     continue_one_epoch,
     log_pseudo_batches,
     max_weight_diff,
@@ -42,7 +43,11 @@ from _helpers import (  # noqa: E402
 
 import keras_accum  # noqa: E402
 
+# Before any case runs: on JAX and PyTorch neither Keras nor the package
+# imports TensorFlow.
+TENSORFLOW_AT_IMPORT = "tensorflow" in sys.modules
 B, K = 8, 4
+BACKEND = keras.backend.backend()
 
 
 def optimizer(name):
@@ -57,6 +62,21 @@ def optimizer(name):
         # Summed losses make gradients B times larger: a smaller rate.
         "sgd_sum": lambda: keras.optimizers.SGD(0.001, momentum=0.5),
         "sgd_mean": lambda: keras.optimizers.SGD(0.05, momentum=0.5),
+        # The rate halves every update: it must see updates, not
+        # micro-batches.
+        "sgd_schedule": lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(
+                0.2, decay_steps=1, decay_rate=0.5
+            ),
+            momentum=0.9,
+        ),
+        # Thresholds that bite on the window's gradient.
+        "sgd_clipnorm": lambda: keras.optimizers.SGD(
+            0.5, momentum=0.5, clipnorm=0.05
+        ),
+        "sgd_clipvalue": lambda: keras.optimizers.SGD(
+            0.5, momentum=0.5, clipvalue=0.01
+        ),
     }[name]()
 
 
@@ -88,25 +108,49 @@ def equivalence(
     weighted=False,
     unknown_length=False,
     layer_kwargs=None,
+    data="regression",
+    class_weight=None,
     **compile_kwargs,
 ):
     x, y = regression_data(n=n)
     sw = None
     if weighted:
         sw = np.random.default_rng(3).uniform(0, 2, n).astype("float32")
-    model_kwargs = {"layer_kwargs": layer_kwargs} if layer_kwargs else {}
-    plain = mlp(**model_kwargs)
-    accum = accum_mlp(K, **model_kwargs)
+    loss = _mse(reduction)
+    if data == "classes":
+        # Class weights become sample weights inside `fit`.
+        x, y = classification_data(n=n)
+        loss = "sparse_categorical_crossentropy"
+        model_kwargs = {"features": 6, "outputs": 4, "activation": "softmax"}
+        plain = mlp(**model_kwargs)
+        accum = accum_mlp(K, **model_kwargs)
+    elif data == "two_outputs":
+        y = {"reg": y, "cls": (y[:, :1] > 0).astype("float32")}
+        loss = {"reg": "mse", "cls": "binary_crossentropy"}
+        compile_kwargs["loss_weights"] = {"reg": 0.3, "cls": 2.0}
+        plain = _two_outputs(keras.Model)
+        accum = _two_outputs(keras_accum.AccumModel, accum_steps=K)
+    else:
+        model_kwargs = {"layer_kwargs": layer_kwargs} if layer_kwargs else {}
+        plain = mlp(**model_kwargs)
+        accum = accum_mlp(K, **model_kwargs)
     accum.set_weights(plain.get_weights())
-    plain.compile(optimizer=optimizer(opt), loss=_mse(reduction))
+    loss_weights = compile_kwargs.pop("loss_weights", None)
+    plain.compile(
+        optimizer=optimizer(opt), loss=loss, loss_weights=loss_weights
+    )
     accum.compile(
-        optimizer=optimizer(opt), loss=_mse(reduction), **compile_kwargs
+        optimizer=optimizer(opt),
+        loss=loss,
+        loss_weights=loss_weights,
+        **compile_kwargs,
     )
     plain_rec, accum_rec = UpdateRecorder(), UpdateRecorder()
     plain.fit(
         x,
         y,
         sample_weight=sw,
+        class_weight=class_weight,
         batch_size=B * K,
         epochs=epochs,
         shuffle=False,
@@ -114,18 +158,20 @@ def equivalence(
         callbacks=[plain_rec],
     )
     if unknown_length:
-        import tensorflow as tf
-
-        # `filter` hides the cardinality: the step cannot know an epoch's
-        # last batch, so the open window is applied after it.
-        data = tf.data.Dataset.from_tensor_slices((x, y))
-        data = data.filter(lambda a, b: True).batch(B)
-        accum.fit(data, epochs=epochs, verbose=0, callbacks=[accum_rec])
+        # The step cannot know an epoch's last batch, so the open window
+        # is applied after it.
+        accum.fit(
+            _unknown_length(x, y),
+            epochs=epochs,
+            verbose=0,
+            callbacks=[accum_rec],
+        )
     else:
         accum.fit(
             x,
             y,
             sample_weight=sw,
+            class_weight=class_weight,
             batch_size=B,
             epochs=epochs,
             shuffle=False,
@@ -146,6 +192,35 @@ def equivalence(
         "weights": len(accum.weights),
         "plain_weights": len(plain.weights),
     }
+
+
+def _two_outputs(model_cls, **kwargs):
+    """A regression head and a classification head on one trunk."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    reg = keras.layers.Dense(3, name="reg")(hidden)
+    cls = keras.layers.Dense(1, activation="sigmoid", name="cls")(hidden)
+    return model_cls(inputs, {"reg": reg, "cls": cls}, **kwargs)
+
+
+def _unknown_length(x, y):
+    """Batches of `B` in order, in the backend's own kind of input, with
+    no length."""
+    if BACKEND == "torch":
+        import torch
+
+        class Batches(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for start in range(0, len(x), B):
+                    yield x[start : start + B], y[start : start + B]
+
+        return torch.utils.data.DataLoader(Batches(), batch_size=None)
+    import tensorflow as tf
+
+    # `filter` hides the cardinality.
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    return data.filter(lambda a, b: True).batch(B)
 
 
 def non_finite_window():
@@ -200,7 +275,7 @@ def epoch_schedule():
 
 
 def save_and_load():
-    """A `.keras` round trip on JAX, with a window open at the save."""
+    """A `.keras` round trip, with a window open at the save."""
     x, y = regression_data(n=70)
     model = accum_mlp(K, partial_window="carry")
     model.compile(optimizer=optimizer("adam"), loss="mse")
@@ -266,7 +341,7 @@ def across_backends(directory):
     }
     model = accum_mlp(K, partial_window="carry")
     train_to_an_open_window(model, x, y, B)
-    model.save(os.path.join(directory, "jax.keras"))
+    model.save(os.path.join(directory, f"{BACKEND}.keras"))
     result["saved_predictions"] = model.predict(x, verbose=0).tolist()
     result["saved_continued"] = continue_one_epoch(model, x, y, B)
     return result
@@ -314,6 +389,19 @@ def main():
         lambda: equivalence("adam", "adam"),
         lambda: equivalence("adamw_clipped", "adamw_clipped"),
         lambda: equivalence("uneven_last_batch", "adam", n=70),
+        lambda: equivalence("lr_schedule", "sgd_schedule"),
+        lambda: equivalence("clipnorm", "sgd_clipnorm"),
+        lambda: equivalence("clipvalue", "sgd_clipvalue"),
+        lambda: equivalence(
+            "class_weight",
+            "adam",
+            n=70,
+            data="classes",
+            class_weight={0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0},
+        ),
+        lambda: equivalence(
+            "multi_output_loss_weights", "adam", n=70, data="two_outputs"
+        ),
         lambda: equivalence(
             "unknown_length_dataset", "sgd_momentum", n=70, unknown_length=True
         ),
@@ -338,8 +426,20 @@ def main():
                 "mean_with_sample_weight",
             )
         ),
-        lambda: equivalence(
-            "steps_per_execution_3", "adam", n=70, steps_per_execution=3
+        *(
+            # Keras's PyTorch trainer runs one step per call; its
+            # `jit_compile=True` is `torch.compile` (one shape: n=64).
+            [
+                lambda: equivalence(
+                    "jit_compile", "adam", epochs=1, jit_compile=True
+                )
+            ]
+            if BACKEND == "torch"
+            else [
+                lambda: equivalence(
+                    "steps_per_execution_3", "adam", n=70, steps_per_execution=3
+                )
+            ]
         ),
         lambda: equivalence("run_eagerly", "adam", epochs=1, run_eagerly=True),
         epoch_schedule,
@@ -371,7 +471,11 @@ def main():
     exchange = os.environ.get("KERAS_ACCUM_EXCHANGE_DIR")
     if exchange:
         cases.append(lambda: across_backends(exchange))
-    results = {"backend": keras.backend.backend(), "cases": []}
+    results = {
+        "backend": BACKEND,
+        "tensorflow_at_import": TENSORFLOW_AT_IMPORT,
+        "cases": [],
+    }
     for index, run in enumerate(cases):
         try:
             results["cases"].append(run())

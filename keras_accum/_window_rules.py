@@ -1,35 +1,43 @@
-"""JAX-specific window state: accumulators, counters, the window maths.
+"""The window rules as pure functions of window values (JAX and PyTorch).
 
-On JAX, Keras trains with a stateless, jitted step that takes every value
-it needs as an argument and returns the new ones; a variable assigned inside
-it (or inside a conditional in it) would leak a tracer. So the window's
-values travel through the step with the rest of the training state, and
-everything here is a pure function from window values to new window values.
-The values rest in `keras.Variable`s between `fit` calls, which the model
-does not track: `get_weights()` and weights files stay those of a plain
-model.
+The rules: a window's first micro-batch overwrites what the last window
+left in the accumulators, later ones add to them; a window closes when full
+or at the epoch's last step; a closing window is divided by its normaliser
+total and applied once, or skipped whole if not finite; closed windows are
+published for `PseudoBatchLogger`. Here they are written once, with
+`keras.ops`, as functions from window values to new window values, for the
+two backends whose steps are Python functions of values:
 
-The rules are `_tf_window.py`'s (overwrite on a window's first
-micro-batch, divide by the window's normaliser total, skip a non-finite
-window whole), written as pure functions, so that both backends equal
-large-batch training the same way; the micro-batch weighting itself is
-shared (`AccumModel._window_objective`).
+- JAX traces a stateless, jitted step that takes every value it needs as an
+  argument and returns the new ones (a variable assigned inside it would
+  leak a tracer), so the window's values travel with the training state
+  (`_jax_trainer.py`);
+- PyTorch runs its step eagerly: it reads the window's variables, applies
+  these functions and writes the results back (`_torch_trainer.py`).
+
+Each backend passes how to run the optimizer update (`close`'s `update`):
+`jax.lax.cond` around a stateless apply, or a Python `if` around an
+in-place one. The values rest in `keras.Variable`s between steps, which the
+model does not track: `get_weights()` and weights files stay those of a
+plain model. TensorFlow keeps the same rules in its stateful graph step
+(`_tf_window.py`), where the noise-scale estimate, the direct apply for
+`accum_steps=1` and `tf.distribute` need variables assigned in place; the
+micro-batch weighting is shared by all three (`AccumModel._window_objective`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import keras
 from keras import ops
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
 ACC_DTYPE = "float32"
-# JAX computes in 32-bit integers unless x64 is enabled.
+# JAX computes in 32-bit integers unless x64 is enabled; PyTorch follows.
 COUNT_DTYPE = "int32"
 
 _FLOAT_SCALARS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
@@ -65,24 +73,25 @@ def _state_variable(name, shape, dtype):
     )
 
 
-class JaxWindowState(SavedWindow):
-    """The accumulation state of one `AccumModel` on the JAX backend.
+class WindowVariables(SavedWindow):
+    """The accumulation state of one `AccumModel` on JAX or PyTorch.
 
-    The attributes are those of `_tf_window.WindowState` that the JAX step
-    uses, with the same meaning; between steps each holds its value, during
-    an epoch the values live in the training state (see `variables`).
+    The attributes are those of `_tf_window.WindowState` that these steps
+    use, with the same meaning. On PyTorch each holds its value; on JAX it
+    does between steps, and during an epoch the values live in the
+    training state (see `variables`).
 
     Attributes:
         acc_grads: One float32 accumulator per trainable variable.
         acc_normalizer, acc_loss, acc_samples, acc_grad_sq: The window's
             normaliser total, weighted loss, samples and (unused on JAX)
-            squared-norm total.
+            squared-norm total (unused here).
         mini_step, epoch_step, steps_per_epoch, window_length,
             target_length, skipped_windows: Counters, as on TensorFlow.
         log_loss, log_samples, log_update, log_micro, log_trace,
             log_grad_sq, log_count: The rings of closed windows that
             `PseudoBatchLogger` reads, as on TensorFlow (the noise-scale
-            rings hold NaN: JAX does not estimate it).
+            rings hold NaN: these backends do not estimate it).
     """
 
     def __init__(self, trainable_variables, accum_steps: int):
@@ -121,8 +130,19 @@ class JaxWindowState(SavedWindow):
         """The inverse of `unpack`."""
         return [*window["acc_grads"], *(window[n] for n in _NAMES)]
 
+    def read(self) -> WindowValues:
+        """The variables' current values, by name."""
+        return self.unpack([v.value for v in self.variables])
 
-# -- Pure window maths, traced into the step ----------------------------------
+    def write(self, window: WindowValues) -> None:
+        """Assigns new values (from `accumulate`, `close`) to the variables."""
+        for variable, value in zip(
+            self.variables, self.pack(window), strict=True
+        ):
+            variable.assign(value)
+
+
+# -- Pure window maths ---------------------------------------------------------
 
 
 def accumulate(
@@ -169,14 +189,21 @@ def is_complete(window: WindowValues, close_at_epoch_end: bool):
 def close(
     window: WindowValues,
     should_close,
-    optimizer,
-    trainable_values: list,
-    optimizer_values: list,
-):
+    update: Callable[[Any, Callable[[], list]], Any],
+) -> WindowValues:
     """Applies and resets the window if `should_close`.
 
+    Args:
+        window: The window's values.
+        should_close: Boolean scalar: close the window now.
+        update: `update(go, gradients)` runs the optimizer on
+            `gradients()` (the window's float32 mean gradient, one per
+            trainable variable) where the boolean scalar `go` holds, and
+            returns `optimizer.iterations` after it. The backend decides
+            how: only the chosen branch may run, one apply per window.
+
     Returns:
-        `(window, trainable_values, optimizer_values)`, new values.
+        The new window values.
     """
     accs = window["acc_grads"]
     normalizer = window["acc_normalizer"]
@@ -184,33 +211,16 @@ def close(
     divisor = ops.where(normalizer > 0, normalizer, ops.ones_like(normalizer))
     finite = _all_finite(accs)
     has_samples = window["acc_samples"] > 0
-    go = has_samples
-    if not isinstance(optimizer, LossScaleOptimizer):
-        go = ops.logical_and(go, finite)
-    go = ops.logical_and(should_close, go)
+    # A non-finite window is skipped whole, the optimizer's state included.
+    go = ops.logical_and(should_close, ops.logical_and(has_samples, finite))
 
-    def apply(trainable_values, optimizer_values):
-        grads = [
-            ops.cast(acc / divisor, value.dtype)
-            for acc, value in zip(accs, trainable_values, strict=True)
-        ]
-        return optimizer.stateless_apply(
-            optimizer_values, grads, trainable_values
-        )
-
-    def keep(trainable_values, optimizer_values):
-        return list(trainable_values), list(optimizer_values)
-
-    # Only the chosen branch runs: one optimizer apply per window.
-    trainable_values, optimizer_values = jax.lax.cond(
-        go, apply, keep, list(trainable_values), list(optimizer_values)
-    )
+    iterations = update(go, lambda: [acc / divisor for acc in accs])
 
     window = _publish(
         window,
         ops.logical_and(should_close, has_samples),
         window["acc_loss"] / divisor,
-        optimizer_values[_iterations_index(optimizer)],
+        iterations,
     )
     skipped = ops.logical_and(
         should_close, ops.logical_and(has_samples, ops.logical_not(finite))
@@ -227,7 +237,7 @@ def close(
     window["mini_step"] = ops.where(
         should_close, ops.zeros_like(window["mini_step"]), window["mini_step"]
     )
-    return window, trainable_values, optimizer_values
+    return window
 
 
 def _publish(window, publish, loss, iterations):
@@ -256,15 +266,6 @@ def _publish(window, publish, loss, iterations):
         window[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)
     window["log_count"] = window["log_count"] + ops.cast(publish, COUNT_DTYPE)
     return window
-
-
-def _iterations_index(optimizer):
-    # Where `optimizer.iterations` sits in the optimizer's values.
-    return next(
-        i
-        for i, variable in enumerate(optimizer.variables)
-        if variable is optimizer.iterations
-    )
 
 
 def _all_finite(values):

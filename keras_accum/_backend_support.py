@@ -1,0 +1,91 @@
+"""What `AccumModel` does not support yet on JAX and PyTorch, and the errors.
+
+The TensorFlow step supports everything; the JAX and PyTorch steps share
+the window rules (`_window_rules.py`) and refuse, with one error naming the
+feature and the backend, what those rules do not cover yet.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras.src.backend.config import is_nnx_enabled
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+from keras_accum.callbacks import PseudoBatchLogger
+from keras_accum.layers import AccumBatchNormalization
+
+
+def unsupported(feature: str, received: str) -> NotImplementedError:
+    """The error for a feature the current backend does not support yet."""
+    return NotImplementedError(
+        f"{feature} is not supported on the {keras.backend.backend()} "
+        "backend yet. Use the TensorFlow backend for it (`export "
+        "KERAS_BACKEND=tensorflow` before Python imports Keras). "
+        f"Received: {received}"
+    )
+
+
+def check_accum_steps(accum_steps) -> None:
+    """Refuses what the JAX and PyTorch steps cannot honour in `accum_steps`."""
+    if callable(accum_steps):
+        raise unsupported(
+            "An `accum_steps` callable (a schedule of the update count)",
+            f"accum_steps={accum_steps!r}. An int or a schedule by epoch "
+            f"(`{{epoch: steps}}`) works on {keras.backend.backend()}",
+        )
+
+
+def check_fit_callbacks(callbacks) -> None:
+    """Refuses callbacks that need what these steps do not compute."""
+    backend = keras.backend.backend()
+    for callback in callbacks:
+        if not isinstance(callback, PseudoBatchLogger):
+            continue
+        name = type(callback).__name__
+        # The estimates come from sums of squares only the TensorFlow step
+        # takes.
+        if callback.noise_scale:
+            raise unsupported(
+                f"`{name}(noise_scale=True)` (the gradient noise scale)",
+                f"noise_scale=True in callbacks=[..., {callback!r}, ...]. "
+                f"`{name}()` without it works on {backend}",
+            )
+        # Its event files are written with `tf.summary`.
+        if callback.log_dir is not None:
+            raise unsupported(
+                f"`{name}(log_dir=...)` (TensorBoard scalars of the "
+                "pseudo-batch loss)",
+                f"log_dir={callback.log_dir!r} in callbacks=[..., "
+                f"{callback!r}, ...]. `{name}()` without it works on "
+                f"{backend}",
+            )
+
+
+def check_model(model) -> None:
+    """Refuses layers, optimizers and modes these steps do not handle."""
+    backend = keras.backend.backend()
+    batch_norms = [
+        layer.name
+        for layer in model._flatten_layers()
+        if isinstance(layer, AccumBatchNormalization)
+    ]
+    if batch_norms:
+        raise unsupported(
+            "`AccumBatchNormalization`",
+            f"layers {batch_norms} in model {model.name!r}. "
+            f"`keras.layers.BatchNormalization` works on {backend} (moving "
+            "statistics updated per micro-batch)",
+        )
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer):
+        raise unsupported(
+            "A `LossScaleOptimizer` (mixed precision)",
+            f"optimizer={optimizer.name!r}",
+        )
+    if keras.distribution.distribution() is not None:
+        raise unsupported(
+            "`keras.distribution`",
+            f"distribution={keras.distribution.distribution()!r}",
+        )
+    if backend == "jax" and is_nnx_enabled():
+        raise unsupported("Flax NNX mode", "nnx enabled in Keras config")
