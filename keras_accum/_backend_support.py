@@ -25,16 +25,6 @@ def unsupported(feature: str, received: str) -> NotImplementedError:
     )
 
 
-def check_accum_steps(accum_steps) -> None:
-    """Refuses what the JAX and PyTorch steps cannot honour in `accum_steps`."""
-    if callable(accum_steps):
-        raise unsupported(
-            "An `accum_steps` callable (a schedule of the update count)",
-            f"accum_steps={accum_steps!r}. An int or a schedule by epoch "
-            f"(`{{epoch: steps}}`) works on {keras.backend.backend()}",
-        )
-
-
 def check_fit_callbacks(callbacks) -> None:
     """Refuses callbacks that need what these steps do not compute."""
     backend = keras.backend.backend()
@@ -49,15 +39,6 @@ def check_fit_callbacks(callbacks) -> None:
                 f"`{name}(noise_scale=True)` (the gradient noise scale)",
                 f"noise_scale=True in callbacks=[..., {callback!r}, ...]. "
                 f"`{name}()` without it works on {backend}",
-            )
-        # Its event files are written with `tf.summary`.
-        if callback.log_dir is not None:
-            raise unsupported(
-                f"`{name}(log_dir=...)` (TensorBoard scalars of the "
-                "pseudo-batch loss)",
-                f"log_dir={callback.log_dir!r} in callbacks=[..., "
-                f"{callback!r}, ...]. `{name}()` without it works on "
-                f"{backend}",
             )
 
 

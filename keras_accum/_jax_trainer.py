@@ -127,9 +127,15 @@ class JaxAccumTrainer:
         )
         loss, y_pred, non_trainable, metrics, weight, normalizer, term = aux
 
+        scheduled = None
+        if callable(self._accum_steps):
+            scheduled = self._scheduled_length(
+                optimizer_values[_iterations_index(self.optimizer)]
+            )
+
         # Added to the window; applied once per window, in the step.
         window = _window_rules.accumulate(
-            window, grads, weight, normalizer, term, batch_size
+            window, grads, weight, normalizer, term, batch_size, scheduled
         )
         complete = _window_rules.is_complete(
             window, self._partial_window == "apply"

@@ -113,6 +113,11 @@ class TorchAccumTrainer:
 
         # Added to the window; applied once per window, in the step.
         with torch.no_grad():
+            scheduled = None
+            if callable(self._accum_steps):
+                scheduled = self._scheduled_length(
+                    self.optimizer.iterations.value
+                )
             window = _window_rules.accumulate(
                 window_state.read(),
                 gradients,
@@ -120,6 +125,7 @@ class TorchAccumTrainer:
                 normalizer,
                 term,
                 batch_size,
+                scheduled,
             )
             complete = _window_rules.is_complete(
                 window, self._partial_window == "apply"

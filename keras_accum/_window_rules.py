@@ -146,13 +146,27 @@ class WindowVariables(SavedWindow):
 
 
 def accumulate(
-    window: WindowValues, grads, weight, normalizer, loss, samples
+    window: WindowValues,
+    grads,
+    weight,
+    normalizer,
+    loss,
+    samples,
+    scheduled=None,
 ) -> WindowValues:
-    """Adds one micro-batch to the window; returns the new values."""
+    """Adds one micro-batch to the window; returns the new values.
+
+    `scheduled`, if given, is the length a window starting now should have
+    (an accumulation schedule of the update count); otherwise
+    `target_length` is.
+    """
     window = dict(window)
     starting = window["mini_step"] == 0
+    length = window["target_length"]
+    if scheduled is not None:
+        length = ops.cast(scheduled, COUNT_DTYPE)
     window["window_length"] = ops.where(
-        starting, window["target_length"], window["window_length"]
+        starting, length, window["window_length"]
     )
     weight = ops.cast(weight, ACC_DTYPE)
     # A window's first micro-batch overwrites what the last window left.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import warnings
@@ -178,14 +179,16 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 f"{type(log_dir).__name__})"
             )
         if log_dir is not None:
-            try:
-                import tensorboard  # noqa: F401
-            except ImportError as error:
-                raise ImportError(
-                    "`PseudoBatchLogger(log_dir=...)` writes TensorBoard "
-                    "event files and needs the `tensorboard` package: "
-                    f"pip install tensorboard. Received: log_dir={log_dir!r}"
-                ) from error
+            # Written with `tf.summary`, as Keras's own TensorBoard callback
+            # does on every backend.
+            for package in ("tensorboard", "tensorflow"):
+                if importlib.util.find_spec(package) is None:
+                    raise ImportError(
+                        "`PseudoBatchLogger(log_dir=...)` writes TensorBoard "
+                        "event files with `tf.summary` and needs the "
+                        f"`{package}` package: pip install {package}. "
+                        f"Received: log_dir={log_dir!r}"
+                    )
         self.log_dir = log_dir
         self.updates: list[PseudoBatch] = []
         self._read = 0

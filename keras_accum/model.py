@@ -44,6 +44,10 @@ elif _BACKEND == "torch":
     _BACKEND_BASES = (TorchAccumTrainer,)
 else:
     _BACKEND_BASES = ()
+# The dtype of the window's counters.
+_COUNT_DTYPE = (
+    "int64" if _BACKEND == "tensorflow" else _window_rules.COUNT_DTYPE
+)
 
 # An int, a schedule by epoch `{epoch: steps}`, or a callable of the update
 # count.
@@ -62,11 +66,6 @@ def _require_supported_backend() -> None:
             'imports Keras, or set `"backend": "tensorflow"` in '
             "~/.keras/keras.json."
         )
-
-
-def _check_accum_steps_for_backend(accum_steps) -> None:
-    if _BACKEND != "tensorflow":
-        _backend_support.check_accum_steps(accum_steps)
 
 
 def _functional_init_arguments(args, kwargs) -> bool:
@@ -196,7 +195,6 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     ) -> None:
         _require_supported_backend()
         accum_steps = check_accum_schedule(accum_steps)
-        _check_accum_steps_for_backend(accum_steps)
         partial_window = check_partial_window(partial_window)
         if isinstance(self, Functional):
             if kwargs.get("name") is None:
@@ -306,7 +304,6 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     @accum_steps.setter
     def accum_steps(self, value: AccumSteps) -> None:
         value = check_accum_schedule(value)
-        _check_accum_steps_for_backend(value)
         if callable(value) or callable(self._accum_steps):
             self.train_function = None
             self._flush_function = None
@@ -713,9 +710,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         )
 
     def _scheduled_length(self, updates):
-        """The callable schedule's window length for `updates`, in graph."""
-        length = tf.cast(self._accum_steps(updates), "int64")
-        if length.shape.rank != 0:
+        """The callable schedule's window length for `updates`, in the step."""
+        length = ops.cast(self._accum_steps(updates), _COUNT_DTYPE)
+        if len(length.shape) != 0:
             raise ValueError(
                 "An `accum_steps` callable must return a scalar. Received: "
                 f"accum_steps={self._accum_steps!r} returning shape "
@@ -723,7 +720,7 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             )
         # Checked eagerly at the start of `fit`; here a bad value would
         # otherwise stall the window, so it is at least one.
-        return tf.maximum(length, 1)
+        return ops.maximum(length, 1)
 
     def _check_schedule(self):
         """Evaluates a callable schedule once, eagerly, to fail early."""
@@ -731,7 +728,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             return
         optimizer = self.optimizer
         updates = 0 if optimizer is None else int(optimizer.iterations)
-        value = self._accum_steps(tf.constant(updates, "int64"))
+        value = self._accum_steps(
+            ops.convert_to_tensor(updates, dtype=_COUNT_DTYPE)
+        )
         message = (
             "An `accum_steps` callable must return an integer >= 1. "
             f"Received: accum_steps={self._accum_steps!r} returning "

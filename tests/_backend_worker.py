@@ -38,6 +38,7 @@ from _helpers import (  # noqa: E402
     mlp,
     numpy_weights,
     regression_data,
+    tensorboard_scalars,
     train_to_an_open_window,
 )
 
@@ -274,6 +275,27 @@ def epoch_schedule():
     }
 
 
+def schedule_by_update_count():
+    """`accum_steps=lambda u: where(u < 3, 1, 4)` (traced into the step)
+    against 3 updates at batch 8, then batch 32."""
+    x, y = regression_data(n=88)
+    plain = mlp()
+    accum = accum_mlp(lambda u: keras.ops.where(u < 3, 1, 4))
+    accum.set_weights(plain.get_weights())
+    plain.compile(optimizer=optimizer("adam"), loss="mse")
+    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    plain.fit(x[:24], y[:24], batch_size=B, shuffle=False, verbose=0)
+    plain.fit(x[24:], y[24:], batch_size=4 * B, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    return {
+        "case": "schedule_by_update_count",
+        "max_weight_diff": max_weight_diff(plain, accum),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "window_length": accum.window_length,
+    }
+
+
 def save_and_load():
     """A `.keras` round trip, with a window open at the save."""
     x, y = regression_data(n=70)
@@ -354,6 +376,24 @@ def pseudo_batch_logger():
     model = accum_mlp(K)
     numpy_weights(model)
     return {"case": "pseudo_batch_logger", **log_pseudo_batches(model, x, y, B)}
+
+
+def tensorboard():
+    """`PseudoBatchLogger(log_dir=...)`: the scalars it wrote, and what it
+    logged."""
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    with tempfile.TemporaryDirectory() as directory:
+        logger = keras_accum.PseudoBatchLogger(log_dir=directory)
+        model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
+        # Written when training ends.
+        scalars = tensorboard_scalars(directory, "pseudo_batch_loss")
+    return {
+        "case": "tensorboard",
+        "scalars": scalars,
+        "logged": [[u.update, u.loss] for u in logger.updates],
+    }
 
 
 def refusal(name, build):
@@ -443,13 +483,10 @@ def main():
         ),
         lambda: equivalence("run_eagerly", "adam", epochs=1, run_eagerly=True),
         epoch_schedule,
+        schedule_by_update_count,
         non_finite_window,
         save_and_load,
         pseudo_batch_logger,
-        lambda: refusal(
-            "callable_accum_steps",
-            lambda: accum_mlp(lambda updates: 2),
-        ),
         lambda: refusal(
             "pseudo_batch_logger_noise_scale",
             lambda: _fit_small(
@@ -457,16 +494,14 @@ def main():
                 callbacks=[keras_accum.PseudoBatchLogger(noise_scale=True)],
             ),
         ),
+        tensorboard,
+        lambda: refusal("accum_batch_normalization", _accum_batch_norm),
         lambda: refusal(
-            "pseudo_batch_logger_log_dir",
+            "schedule_returning_zero",
             lambda: _fit_small(
-                accum_mlp(2),
-                callbacks=[
-                    keras_accum.PseudoBatchLogger(log_dir=tempfile.mkdtemp())
-                ],
+                accum_mlp(lambda u: keras.ops.where(u < 10, 0, 4))
             ),
         ),
-        lambda: refusal("accum_batch_normalization", _accum_batch_norm),
     ]
     exchange = os.environ.get("KERAS_ACCUM_EXCHANGE_DIR")
     if exchange:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -156,7 +157,7 @@ def numpy_weights(model, seed=1):
     """Sets the weights from numpy's generator: the same on every backend.
 
     Keras's initialisers draw from the backend's own generator, so `mlp`'s
-    weights for one seed differ between TensorFlow and JAX.
+    weights for one seed differ between backends.
     """
     rng = np.random.default_rng(seed)
     model.set_weights(
@@ -191,6 +192,21 @@ def log_pseudo_batches(model, x, y, batch_size):
         "loss_mean": history.history["pseudo_batch_loss_mean"],
         "loss_std": history.history["pseudo_batch_loss_std"],
     }
+
+
+def tensorboard_scalars(directory, tag):
+    """`(step, value)` of the scalars `tag` in the event files there."""
+    import tensorflow as tf
+
+    scalars = []
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.tag == tag:
+                    number = tf.make_ndarray(value.tensor)
+                    scalars.append((int(event.step), float(number)))
+    return scalars
 
 
 def run_worker(args, env):

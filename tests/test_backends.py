@@ -68,9 +68,7 @@ EQUIVALENCE_CASES = [
     for name in sorted(_equivalence(backend))
 ]
 REFUSED = {
-    "callable_accum_steps": "An `accum_steps` callable",
     "pseudo_batch_logger_noise_scale": "`PseudoBatchLogger(noise_scale=True)`",
-    "pseudo_batch_logger_log_dir": "`PseudoBatchLogger(log_dir=...)`",
     "accum_batch_normalization": "`AccumBatchNormalization`",
 }
 
@@ -132,6 +130,9 @@ def test_worker_ran_on_the_backend(backend, workers):
         *_equivalence(backend),
         *REFUSED,
         "epoch_schedule",
+        "schedule_by_update_count",
+        "schedule_returning_zero",
+        "tensorboard",
         "non_finite_window",
         "save_and_load",
         "pseudo_batch_logger",
@@ -167,6 +168,24 @@ def test_epoch_schedule(backend, workers, report_diff):
     report_diff(case["max_weight_diff"], f"{backend}: epoch_schedule")
     assert case["max_weight_diff"] < TOLERANCE, case
     assert case["updates"] == case["plain_updates"] == 8, case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schedule_by_update_count(backend, workers, report_diff):
+    # 1 micro-batch for 3 updates, then windows of 4 (5 updates in all).
+    case = _case(workers(backend), "schedule_by_update_count")
+    report_diff(case["max_weight_diff"], f"{backend}: schedule by update")
+    assert case["max_weight_diff"] < TOLERANCE, case
+    assert case["updates"] == case["plain_updates"] == 5, case
+    assert case["window_length"] == 4, case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schedule_returning_a_bad_length_fails_at_fit_start(backend, workers):
+    case = _case(workers(backend), "schedule_returning_zero")
+    assert case["error"] == "ValueError", case
+    assert "must return an integer >= 1" in case["message"], case
+    assert "at update 0" in case["message"], case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -218,6 +237,19 @@ def test_pseudo_batch_losses_equal_tensorflow(backend, workers):
     for key in ("loss_mean", "loss_std"):
         assert len(case[key]) == 2, case
         np.testing.assert_allclose(case[key], expected[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensorboard_scalars_per_update(backend, workers):
+    case = _case(workers(backend), "tensorboard")
+    # 2 epochs of 8 micro-batches: 4 windows, one scalar each.
+    assert [s[0] for s in case["scalars"]] == [1, 2, 3, 4], case
+    np.testing.assert_allclose(
+        [s[1] for s in case["scalars"]],
+        [u[1] for u in case["logged"]],
+        rtol=1e-6,
+    )
+    assert [u[0] for u in case["logged"]] == [1, 2, 3, 4], case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

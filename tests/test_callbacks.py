@@ -5,8 +5,13 @@ import csv
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from _helpers import UpdateRecorder, accum_mlp, mlp, regression_data
+from _helpers import (
+    UpdateRecorder,
+    accum_mlp,
+    mlp,
+    regression_data,
+    tensorboard_scalars,
+)
 
 import keras_accum
 
@@ -169,13 +174,6 @@ def test_tensorboard_scalars_per_update(tmp_path):
     model.compile(optimizer="sgd", loss="mse")
     logger = keras_accum.PseudoBatchLogger(log_dir=str(tmp_path))
     model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
-    events = []
-    for path in tmp_path.glob("events.out.tfevents.*"):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                if value.tag == "pseudo_batch_loss":
-                    number = tf.make_ndarray(value.tensor)
-                    events.append((event.step, float(number)))
+    events = tensorboard_scalars(tmp_path, "pseudo_batch_loss")
     assert events == [(u.update, pytest.approx(u.loss)) for u in logger.updates]
     assert len(events) == 4

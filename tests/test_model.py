@@ -604,7 +604,7 @@ def test_optimizer_that_accumulates_itself_is_refused():
         )
 
 
-def test_other_backends_are_refused_with_how_to_select_tensorflow():
+def test_unsupported_backends_are_refused_with_how_to_select_one():
     import subprocess
     import sys
 
@@ -613,7 +613,7 @@ def test_other_backends_are_refused_with_how_to_select_tensorflow():
         "i = keras.Input((2,))\n"
         "keras_accum.AccumModel(i, keras.layers.Dense(1)(i), accum_steps=2)\n"
     )
-    # TensorFlow and JAX are supported (see test_backends.py); Keras's
+    # TensorFlow, JAX and PyTorch are supported (see test_backends.py); Keras's
     # inference-only NumPy backend is not.
     env = {**__import__("os").environ, "KERAS_BACKEND": "numpy"}
     result = subprocess.run(
