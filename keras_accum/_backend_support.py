@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import keras
 from keras.src.backend.config import is_nnx_enabled
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 from keras_accum.callbacks import PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
@@ -56,12 +55,6 @@ def check_model(model) -> None:
             f"layers {batch_norms} in model {model.name!r}. "
             f"`keras.layers.BatchNormalization` works on {backend} (moving "
             "statistics updated per micro-batch)",
-        )
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, LossScaleOptimizer):
-        raise unsupported(
-            "A `LossScaleOptimizer` (mixed precision)",
-            f"optimizer={optimizer.name!r}",
         )
     if keras.distribution.distribution() is not None:
         raise unsupported(

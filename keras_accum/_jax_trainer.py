@@ -24,6 +24,7 @@ import warnings
 import jax
 import keras
 from keras.src import backend, tree
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_accum import _window_rules
@@ -288,7 +289,12 @@ def _close(window, should_close, optimizer, trainable_values, optimizer_values):
         )
         return new["optimizer"][_iterations_index(optimizer)]
 
-    window = _window_rules.close(window, should_close, update)
+    window = _window_rules.close(
+        window,
+        should_close,
+        update,
+        scales_loss=isinstance(optimizer, LossScaleOptimizer),
+    )
     return window, new["trainable"], new["optimizer"]
 
 

@@ -19,6 +19,7 @@ import warnings
 import keras
 import torch
 from keras.src import tree
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_accum import _window_rules
@@ -130,9 +131,17 @@ class TorchAccumTrainer:
             complete = _window_rules.is_complete(
                 window, self._partial_window == "apply"
             )
-            window = _window_rules.close(window, complete, self._torch_update)
+            window = self._close(window, complete)
             window_state.write(window)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _close(self, window, should_close):
+        return _window_rules.close(
+            window,
+            should_close,
+            self._torch_update,
+            scales_loss=isinstance(self.optimizer, LossScaleOptimizer),
+        )
 
     def _torch_update(self, go, gradients):
         """`_window_rules.close`'s update: in place, only where `go` holds."""
@@ -151,9 +160,7 @@ class TorchAccumTrainer:
         def flush():
             with torch.no_grad():
                 window = window_state.read()
-                window = _window_rules.close(
-                    window, window["mini_step"] > 0, self._torch_update
-                )
+                window = self._close(window, window["mini_step"] > 0)
                 window_state.write(window)
 
         return flush

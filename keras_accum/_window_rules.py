@@ -204,6 +204,7 @@ def close(
     window: WindowValues,
     should_close,
     update: Callable[[Any, Callable[[], list]], Any],
+    scales_loss: bool = False,
 ) -> WindowValues:
     """Applies and resets the window if `should_close`.
 
@@ -215,6 +216,11 @@ def close(
             trainable variable) where the boolean scalar `go` holds, and
             returns `optimizer.iterations` after it. The backend decides
             how: only the chosen branch may run, one apply per window.
+        scales_loss: The optimizer is a `LossScaleOptimizer`: it gets a
+            non-finite window too, skips it itself and lowers its scale,
+            as for a large batch that overflowed. (The accumulators hold
+            loss-scaled gradients; the scale changes only at an update, so
+            one window's micro-batches share it.)
 
     Returns:
         The new window values.
@@ -226,7 +232,9 @@ def close(
     finite = _all_finite(accs)
     has_samples = window["acc_samples"] > 0
     # A non-finite window is skipped whole, the optimizer's state included.
-    go = ops.logical_and(should_close, ops.logical_and(has_samples, finite))
+    go = ops.logical_and(should_close, has_samples)
+    if not scales_loss:
+        go = ops.logical_and(go, finite)
 
     iterations = update(go, lambda: [acc / divisor for acc in accs])
 

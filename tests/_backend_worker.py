@@ -252,6 +252,61 @@ def non_finite_window():
     }
 
 
+def mixed_precision(policy):
+    """Under `policy`, against a plain model under the same policy."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = regression_data(n=70)
+        plain = mlp()
+        accum = accum_mlp(K)
+        accum.set_weights(plain.get_weights())
+        for model in (plain, accum):
+            model.compile(optimizer=optimizer("adam"), loss="mse")
+        plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+        accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+        return {
+            "case": policy,
+            "max_weight_diff": max_weight_diff(plain, accum),
+            "optimizer": type(accum.optimizer).__name__,
+            "compute_dtype": accum.layers[1].compute_dtype,
+            "accumulator_dtype": str(accum.accumulators[0].dtype),
+            "updates": int(accum.optimizer.iterations.numpy()),
+            "plain_updates": int(plain.optimizer.iterations.numpy()),
+            "skipped_windows": accum.skipped_windows,
+        }
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def nan_under_loss_scaling():
+    """A NaN in the second window under `mixed_float16`: the window goes
+    to the `LossScaleOptimizer`, which skips it and halves its scale, as
+    for the large batch that holds the NaN."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = regression_data(n=64)
+        x[40, 0] = np.nan
+        plain = mlp()
+        accum = accum_mlp(K)
+        accum.set_weights(plain.get_weights())
+        for model in (plain, accum):
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+        accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        return {
+            "case": "nan_under_loss_scaling",
+            "max_weight_diff": max_weight_diff(plain, accum),
+            "scales": [
+                float(m.optimizer.dynamic_scale.numpy()) for m in (plain, accum)
+            ],
+            "updates": int(accum.optimizer.iterations.numpy()),
+            "plain_updates": int(plain.optimizer.iterations.numpy()),
+            "skipped_windows": accum.skipped_windows,
+        }
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def _mse(reduction):
     return keras.losses.MeanSquaredError(reduction=reduction)
 
@@ -485,6 +540,9 @@ def main():
         epoch_schedule,
         schedule_by_update_count,
         non_finite_window,
+        lambda: mixed_precision("mixed_float16"),
+        lambda: mixed_precision("mixed_bfloat16"),
+        nan_under_loss_scaling,
         save_and_load,
         pseudo_batch_logger,
         lambda: refusal(

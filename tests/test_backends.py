@@ -134,6 +134,9 @@ def test_worker_ran_on_the_backend(backend, workers):
         "schedule_returning_zero",
         "tensorboard",
         "non_finite_window",
+        "mixed_float16",
+        "mixed_bfloat16",
+        "nan_under_loss_scaling",
         "save_and_load",
         "pseudo_batch_logger",
         "across_backends",
@@ -198,6 +201,37 @@ def test_skips_a_non_finite_window(backend, workers, report_diff):
     assert case["updates"] == case["plain_updates"] == 1, case
     assert case["weights_finite"], case
     assert case["max_weight_diff"] < TOLERANCE, case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "policy, atol", [("mixed_float16", 1e-4), ("mixed_bfloat16", 2e-3)]
+)
+def test_mixed_precision_tracks_plain_large_batch(
+    backend, policy, atol, workers, report_diff
+):
+    # The same tolerances as on TensorFlow (tests/test_robustness.py).
+    case = _case(workers(backend), policy)
+    report_diff(case["max_weight_diff"], f"{backend}: {policy}")
+    assert case["compute_dtype"] == policy.split("_")[1], case
+    assert case["accumulator_dtype"] == "float32", case
+    expected = "LossScaleOptimizer" if policy == "mixed_float16" else "Adam"
+    assert case["optimizer"] == expected, case
+    assert case["updates"] == case["plain_updates"] == 6, case
+    assert case["skipped_windows"] == 0, case
+    assert case["max_weight_diff"] < atol, case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_under_loss_scaling_lowers_the_scale_like_a_large_batch(
+    backend, workers
+):
+    case = _case(workers(backend), "nan_under_loss_scaling")
+    # The large batch overflowed once: update skipped, scale halved.
+    assert case["scales"] == [2.0**14, 2.0**14], case
+    assert case["updates"] == case["plain_updates"] == 1, case
+    assert case["skipped_windows"] == 1, case
+    assert case["max_weight_diff"] < 1e-4, case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
