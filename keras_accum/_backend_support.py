@@ -10,7 +10,6 @@ from __future__ import annotations
 import keras
 from keras.src.backend.config import is_nnx_enabled
 
-from keras_accum.callbacks import PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
 
 
@@ -22,23 +21,6 @@ def unsupported(feature: str, received: str) -> NotImplementedError:
         "KERAS_BACKEND=tensorflow` before Python imports Keras). "
         f"Received: {received}"
     )
-
-
-def check_fit_callbacks(callbacks) -> None:
-    """Refuses callbacks that need what these steps do not compute."""
-    backend = keras.backend.backend()
-    for callback in callbacks:
-        if not isinstance(callback, PseudoBatchLogger):
-            continue
-        name = type(callback).__name__
-        # The estimates come from sums of squares only the TensorFlow step
-        # takes.
-        if callback.noise_scale:
-            raise unsupported(
-                f"`{name}(noise_scale=True)` (the gradient noise scale)",
-                f"noise_scale=True in callbacks=[..., {callback!r}, ...]. "
-                f"`{name}()` without it works on {backend}",
-            )
 
 
 def check_model(model) -> None:

@@ -136,13 +136,25 @@ class JaxAccumTrainer:
 
         # Added to the window; applied once per window, in the step.
         window = _window_rules.accumulate(
-            window, grads, weight, normalizer, term, batch_size, scheduled
+            window,
+            grads,
+            weight,
+            normalizer,
+            term,
+            batch_size,
+            scheduled,
+            self._noise_scale_every,
         )
         complete = _window_rules.is_complete(
             window, self._partial_window == "apply"
         )
         window, trainable, optimizer_values = _close(
-            window, complete, self.optimizer, trainable, optimizer_values
+            window,
+            complete,
+            self.optimizer,
+            trainable,
+            optimizer_values,
+            self._noise_scale_every,
         )
 
         logs, metrics = self._update_metrics_variables(
@@ -230,6 +242,8 @@ class JaxAccumTrainer:
         window_state = self._window
         optimizer = self.optimizer
 
+        noise_every = self._noise_scale_every
+
         def flush_step(trainable, optimizer_values, window_values):
             window = window_state.unpack(window_values)
             window, trainable, optimizer_values = _close(
@@ -238,6 +252,7 @@ class JaxAccumTrainer:
                 optimizer,
                 trainable,
                 optimizer_values,
+                noise_every,
             )
             return trainable, optimizer_values, window_state.pack(window)
 
@@ -262,7 +277,14 @@ class JaxAccumTrainer:
         return flush
 
 
-def _close(window, should_close, optimizer, trainable_values, optimizer_values):
+def _close(
+    window,
+    should_close,
+    optimizer,
+    trainable_values,
+    optimizer_values,
+    noise_every=0,
+):
     """`_window_rules.close` with a stateless apply under `jax.lax.cond`.
 
     Returns:
@@ -289,11 +311,16 @@ def _close(window, should_close, optimizer, trainable_values, optimizer_values):
         )
         return new["optimizer"][_iterations_index(optimizer)]
 
+    mapping = list(zip(optimizer.variables, optimizer_values, strict=True))
+    with backend.StatelessScope(state_mapping=mapping):
+        loss_scale = optimizer.scale_loss(keras.ops.ones((), "float32"))
     window = _window_rules.close(
         window,
         should_close,
         update,
         scales_loss=isinstance(optimizer, LossScaleOptimizer),
+        noise_every=noise_every,
+        loss_scale=loss_scale,
     )
     return window, new["trainable"], new["optimizer"]
 

@@ -127,6 +127,7 @@ class TorchAccumTrainer:
                 term,
                 batch_size,
                 scheduled,
+                self._noise_scale_every,
             )
             complete = _window_rules.is_complete(
                 window, self._partial_window == "apply"
@@ -141,6 +142,8 @@ class TorchAccumTrainer:
             should_close,
             self._torch_update,
             scales_loss=isinstance(self.optimizer, LossScaleOptimizer),
+            noise_every=self._noise_scale_every,
+            loss_scale=self.optimizer.scale_loss(keras.ops.ones((), "float32")),
         )
 
     def _torch_update(self, go, gradients):

@@ -20,9 +20,10 @@ Each backend passes how to run the optimizer update (`close`'s `update`):
 in-place one. The values rest in `keras.Variable`s between steps, which the
 model does not track: `get_weights()` and weights files stay those of a
 plain model. TensorFlow keeps the same rules in its stateful graph step
-(`_tf_window.py`), where the noise-scale estimate, the direct apply for
-`accum_steps=1` and `tf.distribute` need variables assigned in place; the
-micro-batch weighting is shared by all three (`AccumModel._window_objective`).
+(`_tf_window.py`), where the direct apply for `accum_steps=1`,
+`tf.distribute` and the cheaper noise-scale sampling need variables
+assigned inside conditionals; the micro-batch weighting is shared by all
+three (`AccumModel._window_objective`).
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ class WindowVariables(SavedWindow):
     Attributes:
         acc_grads: One float32 accumulator per trainable variable.
         acc_normalizer, acc_loss, acc_samples, acc_grad_sq: The window's
-            normaliser total, weighted loss, samples and (unused on JAX)
-            squared-norm total (unused here).
+            normaliser total, weighted loss, samples and sum of the
+            micro-batches' squared gradient norms (noise scale only).
         mini_step, epoch_step, steps_per_epoch, window_length,
             target_length, skipped_windows: Counters, as on TensorFlow.
         log_loss, log_samples, log_update, log_micro, log_trace,
             log_grad_sq, log_count: The rings of closed windows that
             `PseudoBatchLogger` reads, as on TensorFlow (the noise-scale
-            rings hold NaN: these backends do not estimate it).
+            rings hold NaN where not estimated).
     """
 
     def __init__(self, trainable_variables, accum_steps: int):
@@ -153,12 +154,15 @@ def accumulate(
     loss,
     samples,
     scheduled=None,
+    noise_every: int = 0,
 ) -> WindowValues:
     """Adds one micro-batch to the window; returns the new values.
 
     `scheduled`, if given, is the length a window starting now should have
     (an accumulation schedule of the update count); otherwise
-    `target_length` is.
+    `target_length` is. With `noise_every` (the gradient noise scale, in
+    every `noise_every`-th window; 0 for none), sampled windows also sum
+    the micro-batches' squared gradient norms.
     """
     window = dict(window)
     starting = window["mini_step"] == 0
@@ -169,19 +173,29 @@ def accumulate(
         starting, length, window["window_length"]
     )
     weight = ops.cast(weight, ACC_DTYPE)
+    scaled = [ops.cast(grad, ACC_DTYPE) * weight for grad in grads]
     # A window's first micro-batch overwrites what the last window left.
     window["acc_grads"] = [
-        ops.where(starting, scaled, acc + scaled)
-        for acc, scaled in (
-            (acc, ops.cast(grad, ACC_DTYPE) * weight)
-            for acc, grad in zip(window["acc_grads"], grads, strict=True)
-        )
+        ops.where(starting, value, acc + value)
+        for acc, value in zip(window["acc_grads"], scaled, strict=True)
     ]
+    if noise_every:
+        # Divided by the micro-batch's count (its loss normaliser, or its
+        # samples where the loss sums), a product is the micro-batch's mean
+        # gradient g_j times its count n_j: this adds n_j |g_j|².
+        normalizer = ops.cast(normalizer, ACC_DTYPE)
+        count = ops.where(
+            normalizer > 0, normalizer, ops.cast(samples, ACC_DTYPE)
+        )
+        squares = _sum_of_squares(scaled) / count
+        window["acc_grad_sq"] = window["acc_grad_sq"] + ops.where(
+            _sampled(window, noise_every), squares, ops.zeros_like(squares)
+        )
     for name, value in (
         ("acc_normalizer", normalizer),
         ("acc_loss", loss),
         ("acc_samples", samples),
-    ):
+    ):  # (`acc_grad_sq` above.)
         window[name] = window[name] + ops.cast(value, ACC_DTYPE)
     window["mini_step"] = window["mini_step"] + 1
     window["epoch_step"] = window["epoch_step"] + 1
@@ -205,6 +219,8 @@ def close(
     should_close,
     update: Callable[[Any, Callable[[], list]], Any],
     scales_loss: bool = False,
+    noise_every: int = 0,
+    loss_scale=1.0,
 ) -> WindowValues:
     """Applies and resets the window if `should_close`.
 
@@ -221,6 +237,10 @@ def close(
             as for a large batch that overflowed. (The accumulators hold
             loss-scaled gradients; the scale changes only at an update, so
             one window's micro-batches share it.)
+        noise_every: As for `accumulate`: sampled windows publish their
+            noise-scale estimates, the others NaN.
+        loss_scale: The loss scale the window's gradients carry (before
+            this update changes it), taken out of the estimates.
 
     Returns:
         The new window values.
@@ -236,6 +256,14 @@ def close(
     if not scales_loss:
         go = ops.logical_and(go, finite)
 
+    nan = ops.convert_to_tensor(float("nan"), ACC_DTYPE)
+    trace = grad_sq = nan
+    if noise_every:
+        # From the window as it closes, before the update.
+        sampled = _sampled(window, noise_every)
+        estimates = _noise_statistics(window, loss_scale)
+        trace, grad_sq = (ops.where(sampled, e, nan) for e in estimates)
+
     iterations = update(go, lambda: [acc / divisor for acc in accs])
 
     window = _publish(
@@ -243,6 +271,8 @@ def close(
         ops.logical_and(should_close, has_samples),
         window["acc_loss"] / divisor,
         iterations,
+        trace,
+        grad_sq,
     )
     skipped = ops.logical_and(
         should_close, ops.logical_and(has_samples, ops.logical_not(finite))
@@ -262,7 +292,54 @@ def close(
     return window
 
 
-def _publish(window, publish, loss, iterations):
+def _sampled(window, noise_every):
+    """Whether the open window estimates the noise scale.
+
+    `log_count` stays put while a window is open (it moves when the window
+    publishes), so every micro-batch of a window and its close agree, as
+    on TensorFlow.
+    """
+    return window["log_count"] % noise_every == 0
+
+
+def _noise_statistics(window, loss_scale):
+    """The closing window's unbiased estimates of tr(Σ) and |G|².
+
+    McCandlish et al. (2018), "An Empirical Model of Large-Batch Training",
+    appendix A: with micro-batch mean gradients g_j of n_j samples (N in
+    all, k micro-batches) and the window's mean gradient G_W,
+    E[sum_j n_j |g_j|²] = N |G|² + k tr(Σ) and E[|G_W|²] = |G|² + tr(Σ)/N;
+    solving the two gives the estimates. NaN for a one-micro-batch window.
+    """
+    count = ops.where(
+        window["acc_normalizer"] > 0,
+        window["acc_normalizer"],
+        window["acc_samples"],
+    )
+    k = ops.cast(window["mini_step"], ACC_DTYPE)
+    scale_sq = ops.square(ops.cast(loss_scale, ACC_DTYPE))
+    window_sq = (
+        _sum_of_squares(window["acc_grads"]) / ops.square(count) / scale_sq
+    )
+    micro_sq = window["acc_grad_sq"] / scale_sq
+    trace = (micro_sq - count * window_sq) / (k - 1.0)
+    grad_sq = window_sq - trace / count
+    # The counts are the loss's units (timesteps, pixels, weight totals);
+    # per sample, so that tr(Σ) / |G|² is a batch size.
+    trace = trace * window["acc_samples"] / count
+    enough = k >= 2.0
+    nan = ops.full_like(trace, float("nan"))
+    return ops.where(enough, trace, nan), ops.where(enough, grad_sq, nan)
+
+
+def _sum_of_squares(values):
+    total = ops.zeros((), ACC_DTYPE)
+    for value in values:
+        total = total + ops.sum(ops.square(value))
+    return total
+
+
+def _publish(window, publish, loss, iterations, trace, grad_sq):
     """Writes the closing window into the logging rings if `publish`.
 
     As on TensorFlow, every closed window with samples is published, a
@@ -275,14 +352,13 @@ def _publish(window, publish, loss, iterations):
         == window["log_count"] % LOG_CAPACITY,
         publish,
     )
-    nan = float("nan")
     for name, value in (
         ("log_loss", loss),
         ("log_samples", window["acc_samples"]),
         ("log_update", iterations),
         ("log_micro", window["mini_step"]),
-        ("log_trace", nan),
-        ("log_grad_sq", nan),
+        ("log_trace", trace),
+        ("log_grad_sq", grad_sq),
     ):
         ring = window[name]
         window[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)

@@ -456,8 +456,6 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             if isinstance(callbacks, keras.callbacks.CallbackList)
             else callbacks or []
         )
-        if _BACKEND != "tensorflow":
-            _backend_support.check_fit_callbacks(listed)
         # Estimated in the step only while a callback asks for it, as
         # often as the most frequent asker wants.
         self._set_noise_scale_every(

@@ -33,6 +33,7 @@ from _helpers import (  # noqa: E402
     accum_mlp,
     classification_data,
     continue_one_epoch,
+    log_noise_scale,
     log_pseudo_batches,
     max_weight_diff,
     mlp,
@@ -433,6 +434,63 @@ def pseudo_batch_logger():
     return {"case": "pseudo_batch_logger", **log_pseudo_batches(model, x, y, B)}
 
 
+def _gradient_is_the_input(accum_steps):
+    """A model whose per-sample gradient (w.r.t. its one weight) is x."""
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(
+        inputs
+    )
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=accum_steps)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=lambda y_true, y_pred: keras.ops.squeeze(y_pred, -1),
+    )
+    return model
+
+
+def noise_scale_by_hand():
+    """The hand-computed cases of tests/test_noise_scale.py."""
+    result = {"case": "noise_scale_by_hand"}
+    # Gradients 1, 2, 3, 4, one sample each; then [1, 2], [3, 4], [5].
+    for name, accum_steps, batch_size, n in (
+        ("equal", 4, 1, 4),
+        ("uneven", 3, 2, 5),
+    ):
+        model = _gradient_is_the_input(accum_steps)
+        logger = keras_accum.PseudoBatchLogger(noise_scale=True)
+        x = np.arange(1, n + 1, dtype="float32")[:, None]
+        history = model.fit(
+            x,
+            x,
+            batch_size=batch_size,
+            shuffle=False,
+            verbose=0,
+            callbacks=[logger],
+        )
+        (update,) = logger.updates
+        result[name] = {
+            "samples": update.samples,
+            "micro_batches": update.micro_batches,
+            "trace": update.trace,
+            "grad_sq": update.grad_sq,
+            "estimate": logger.noise_scale_estimate,
+            "logged": history.history["pseudo_batch_noise_scale"],
+        }
+    return result
+
+
+def noise_scale_like_tensorflow():
+    """`PseudoBatchLogger(noise_scale=True, noise_scale_every=2)`; the test
+    compares it with TensorFlow's on the same weights and data."""
+    x, y = regression_data(n=70)
+    model = accum_mlp(K)
+    numpy_weights(model)
+    return {
+        "case": "noise_scale_like_tensorflow",
+        **log_noise_scale(model, x, y, B),
+    }
+
+
 def tensorboard():
     """`PseudoBatchLogger(log_dir=...)`: the scalars it wrote, and what it
     logged."""
@@ -545,13 +603,8 @@ def main():
         nan_under_loss_scaling,
         save_and_load,
         pseudo_batch_logger,
-        lambda: refusal(
-            "pseudo_batch_logger_noise_scale",
-            lambda: _fit_small(
-                accum_mlp(2),
-                callbacks=[keras_accum.PseudoBatchLogger(noise_scale=True)],
-            ),
-        ),
+        noise_scale_by_hand,
+        noise_scale_like_tensorflow,
         tensorboard,
         lambda: refusal("accum_batch_normalization", _accum_batch_norm),
         lambda: refusal(

@@ -194,6 +194,40 @@ def log_pseudo_batches(model, x, y, batch_size):
     }
 
 
+def log_noise_scale(model, x, y, batch_size):
+    """SGD, 2 epochs with `PseudoBatchLogger(noise_scale=True,
+    noise_scale_every=2)`; what it estimated, for JSON (NaN as None).
+
+    What every backend runs to compare its noise-scale estimates.
+    """
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    logger = keras_accum.PseudoBatchLogger(
+        noise_scale=True, noise_scale_every=2
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+
+    def number(value):
+        return None if np.isnan(value) else float(value)
+
+    return {
+        "updates": [
+            [u.update, u.micro_batches, number(u.trace), number(u.grad_sq)]
+            for u in logger.updates
+        ],
+        "noise_scale": [
+            number(v) for v in history.history["pseudo_batch_noise_scale"]
+        ],
+    }
+
+
 def tensorboard_scalars(directory, tag):
     """`(step, value)` of the scalars `tag` in the event files there."""
     import tensorflow as tf

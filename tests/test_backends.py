@@ -16,6 +16,7 @@ import pytest
 from _helpers import (
     accum_mlp,
     continue_one_epoch,
+    log_noise_scale,
     log_pseudo_batches,
     numpy_weights,
     regression_data,
@@ -68,7 +69,6 @@ EQUIVALENCE_CASES = [
     for name in sorted(_equivalence(backend))
 ]
 REFUSED = {
-    "pseudo_batch_logger_noise_scale": "`PseudoBatchLogger(noise_scale=True)`",
     "accum_batch_normalization": "`AccumBatchNormalization`",
 }
 
@@ -133,6 +133,8 @@ def test_worker_ran_on_the_backend(backend, workers):
         "schedule_by_update_count",
         "schedule_returning_zero",
         "tensorboard",
+        "noise_scale_by_hand",
+        "noise_scale_like_tensorflow",
         "non_finite_window",
         "mixed_float16",
         "mixed_bfloat16",
@@ -271,6 +273,47 @@ def test_pseudo_batch_losses_equal_tensorflow(backend, workers):
     for key in ("loss_mean", "loss_std"):
         assert len(case[key]) == 2, case
         np.testing.assert_allclose(case[key], expected[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noise_scale_by_hand(backend, workers):
+    # As in tests/test_noise_scale.py. Gradients 1, 2, 3, 4: N = k = 4,
+    # sum n_j g_j^2 = 30, |G_W|^2 = 6.25, tr = 5/3, |G|^2 = 35/6.
+    case = _case(workers(backend), "noise_scale_by_hand")
+    equal = case["equal"]
+    assert equal["micro_batches"] == 4, case
+    np.testing.assert_allclose(equal["trace"], 5 / 3, rtol=1e-6)
+    np.testing.assert_allclose(equal["grad_sq"], 35 / 6, rtol=1e-6)
+    np.testing.assert_allclose(equal["estimate"], 2 / 7, rtol=1e-6)
+    np.testing.assert_allclose(equal["logged"], [2 / 7], rtol=1e-6)
+    # [1, 2], [3, 4], [5]: sum n_j g_j^2 = 54, N = 5, |G_W|^2 = 9, k = 3:
+    # tr = 4.5, |G|^2 = 8.1.
+    uneven = case["uneven"]
+    assert (uneven["samples"], uneven["micro_batches"]) == (5, 3), case
+    np.testing.assert_allclose(uneven["trace"], 4.5, rtol=1e-6)
+    np.testing.assert_allclose(uneven["grad_sq"], 8.1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noise_scale_equals_tensorflow(backend, workers):
+    case = _case(workers(backend), "noise_scale_like_tensorflow")
+    x, y = regression_data(n=70)
+    model = accum_mlp(4)
+    numpy_weights(model)
+    expected = log_noise_scale(model, x, y, BATCH)
+    # Windows of 4, 4 and 1 micro-batches per epoch; every second window
+    # estimates (updates 1, 3, 5), one-micro-batch windows cannot.
+    counts = [u[:2] for u in case["updates"]]
+    assert counts == [u[:2] for u in expected["updates"]]
+    estimated = [u[0] for u in case["updates"] if u[2] is not None]
+    assert estimated == [u[0] for u in expected["updates"] if u[2] is not None]
+    assert estimated == [1, 5], case
+    for got, want in zip(case["updates"], expected["updates"], strict=True):
+        if want[2] is not None:
+            np.testing.assert_allclose(got[2:], want[2:], rtol=1e-4)
+    np.testing.assert_allclose(
+        case["noise_scale"], expected["noise_scale"], rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
