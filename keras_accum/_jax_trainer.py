@@ -73,6 +73,14 @@ class JaxAccumTrainer:
                 variable._value = None
         return tuple(state)
 
+    def _get_state_sharding_spec(self):
+        specs = super()._get_state_sharding_spec()
+        if self._window is None:
+            return specs
+        trainable, non_trainable, optimizer, metrics = specs
+        window = [v.value.sharding for v in self._window.variables]
+        return trainable, non_trainable, [*optimizer, *window], metrics
+
     def jax_state_sync(self):
         state = getattr(self, "_jax_state", None)
         window = self._window
@@ -97,7 +105,11 @@ class JaxAccumTrainer:
         # `AccumModel.train_step` is the TensorFlow step; this is the JAX one.
         step = self._jax_train_step
         if not self.run_eagerly and self.jit_compile:
-            step = jax.jit(step, donate_argnums=0)
+            out_shardings = None
+            if keras.distribution.distribution() is not None:
+                # As Keras: the new state keeps the variables' layouts.
+                out_shardings = (None, self._get_state_sharding_spec())
+            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         self.train_function = self._make_function(step)
 
     def _jax_train_step(self, state, data):
@@ -148,7 +160,7 @@ class JaxAccumTrainer:
         complete = _window_rules.is_complete(
             window, self._partial_window == "apply"
         )
-        window, trainable, optimizer_values = _close(
+        window, trainable, optimizer_values, applied = _close(
             window,
             complete,
             self.optimizer,
@@ -156,6 +168,7 @@ class JaxAccumTrainer:
             optimizer_values,
             self._noise_scale_every,
         )
+        non_trainable = self._run_close_hooks(non_trainable, applied, complete)
 
         logs, metrics = self._update_metrics_variables(
             metrics, loss, x, y, y_pred, sample_weight
@@ -236,6 +249,25 @@ class JaxAccumTrainer:
         aux = (loss, y_pred, non_trainable, metrics, weight, normalizer, term)
         return scaled, aux
 
+    def _run_close_hooks(self, non_trainable, applied, closing):
+        """Runs the window's close hooks on the model's non-trainable values.
+
+        Returns:
+            The new non-trainable values.
+        """
+        hooks = self._window.close_hooks
+        if not hooks:
+            return non_trainable
+        mapping = list(
+            zip(self.non_trainable_variables, non_trainable, strict=True)
+        )
+        with backend.StatelessScope(state_mapping=mapping) as scope:
+            for hook in hooks:
+                hook(applied, closing)
+        return [
+            scope.get_current_value(v) for v in self.non_trainable_variables
+        ]
+
     # -- Applying an open window outside the step ---------------------------
 
     def _make_value_flush_function(self):
@@ -244,17 +276,26 @@ class JaxAccumTrainer:
 
         noise_every = self._noise_scale_every
 
-        def flush_step(trainable, optimizer_values, window_values):
-            window = window_state.unpack(window_values)
-            window, trainable, optimizer_values = _close(
+        def flush_step(trainable, non_trainable, optimizer_values, values):
+            window = window_state.unpack(values)
+            closing = window["mini_step"] > 0
+            window, trainable, optimizer_values, applied = _close(
                 window,
-                window["mini_step"] > 0,
+                closing,
                 optimizer,
                 trainable,
                 optimizer_values,
                 noise_every,
             )
-            return trainable, optimizer_values, window_state.pack(window)
+            non_trainable = self._run_close_hooks(
+                non_trainable, applied, closing
+            )
+            return (
+                trainable,
+                non_trainable,
+                optimizer_values,
+                window_state.pack(window),
+            )
 
         if not self.run_eagerly and self.jit_compile:
             flush_step = jax.jit(flush_step)
@@ -264,6 +305,7 @@ class JaxAccumTrainer:
             self.jax_state_sync()
             groups = (
                 self.trainable_variables,
+                self.non_trainable_variables,
                 optimizer.variables,
                 window_state.variables,
             )
@@ -288,7 +330,8 @@ def _close(
     """`_window_rules.close` with a stateless apply under `jax.lax.cond`.
 
     Returns:
-        `(window, trainable_values, optimizer_values)`, new values.
+        `(window, trainable_values, optimizer_values, applied)`: new values,
+        and whether the optimizer applied the window.
     """
     new = {}
 
@@ -305,6 +348,7 @@ def _close(
         def keep(trainable_values, optimizer_values):
             return list(trainable_values), list(optimizer_values)
 
+        new["applied"] = go
         # Only the chosen branch runs: one optimizer apply per window.
         new["trainable"], new["optimizer"] = jax.lax.cond(
             go, apply, keep, list(trainable_values), list(optimizer_values)
@@ -322,7 +366,7 @@ def _close(
         noise_every=noise_every,
         loss_scale=loss_scale,
     )
-    return window, new["trainable"], new["optimizer"]
+    return window, new["trainable"], new["optimizer"], new["applied"]
 
 
 def _iterations_index(optimizer):

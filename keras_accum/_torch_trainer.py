@@ -104,12 +104,15 @@ class TorchAccumTrainer:
                 x, y, y_pred, sample_weight=sample_weight
             )
 
-        # Gradients; a weight the loss does not reach has none.
+        # Gradients; a weight the loss does not reach has none, and gets
+        # none at the update either, as in a plain step (no momentum or
+        # weight decay for it).
         objective.backward()
-        trainable_weights = self.trainable_weights[:]
+        grads = [v.value.grad for v in self.trainable_weights]
+        self._window_none_grads = [g is None for g in grads]
         gradients = [
-            torch.zeros_like(v.value) if v.value.grad is None else v.value.grad
-            for v in trainable_weights
+            torch.zeros_like(v.value) if g is None else g
+            for g, v in zip(grads, self.trainable_weights, strict=True)
         ]
 
         # Added to the window; applied once per window, in the step.
@@ -137,22 +140,35 @@ class TorchAccumTrainer:
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _close(self, window, should_close):
-        return _window_rules.close(
+        applied = []
+
+        def update(go, gradients):
+            applied.append(go)
+            return self._torch_update(go, gradients)
+
+        window = _window_rules.close(
             window,
             should_close,
-            self._torch_update,
+            update,
             scales_loss=isinstance(self.optimizer, LossScaleOptimizer),
             noise_every=self._noise_scale_every,
             loss_scale=self.optimizer.scale_loss(keras.ops.ones((), "float32")),
         )
+        # After the update, as on TensorFlow (`AccumBatchNormalization`).
+        for hook in self._window.close_hooks:
+            hook(applied[0], should_close)
+        return window
 
     def _torch_update(self, go, gradients):
         """`_window_rules.close`'s update: in place, only where `go` holds."""
         if bool(go):
             variables = self.trainable_weights
+            none_grads = self._window_none_grads or [False] * len(variables)
             grads = [
-                keras.ops.cast(g, v.dtype)
-                for g, v in zip(gradients(), variables, strict=True)
+                None if none else keras.ops.cast(g, v.dtype)
+                for g, v, none in zip(
+                    gradients(), variables, none_grads, strict=True
+                )
             ]
             self.optimizer.apply(grads, variables)
         return self.optimizer.iterations.value

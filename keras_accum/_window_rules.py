@@ -93,9 +93,13 @@ class WindowVariables(SavedWindow):
             log_grad_sq, log_count: The rings of closed windows that
             `PseudoBatchLogger` reads, as on TensorFlow (the noise-scale
             rings hold NaN where not estimated).
+        close_hooks: Callables `hook(applied)` that the backend's step runs
+            when a window closes (e.g. `AccumBatchNormalization`'s), as on
+            TensorFlow; they update the model's own variables.
     """
 
-    def __init__(self, trainable_variables, accum_steps: int):
+    def __init__(self, trainable_variables, accum_steps: int, close_hooks=()):
+        self.close_hooks = list(close_hooks)
         self.acc_grads = [
             _state_variable(f"acc_grad_{i}", tuple(v.shape), ACC_DTYPE)
             for i, v in enumerate(trainable_variables)

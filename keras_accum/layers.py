@@ -142,26 +142,27 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         self.window_count.assign(total)
 
-    def _close_window(self, applied):
-        """Updates the moving statistics from the window; then clears it."""
+    def _close_window(self, applied, closing=True):
+        """Updates the moving statistics from the window; then clears it.
+
+        Selected with `where`, not assigned inside a conditional: JAX's
+        stateless step cannot assign inside `jax.lax.cond`. TensorFlow calls
+        this only when the window closes; the JAX and PyTorch steps call it
+        every micro-batch, with `closing` saying whether the window closes
+        (`applied` implies it).
+        """
         count = self.window_count.value
-
-        def update():
-            mean = self.window_mean.value
-            variance = self.window_m2.value / ops.maximum(count, 1e-30)
-            # The momentum rule of `BatchNormalization`, in its dtypes.
-            moving_mean = ops.cast(self.moving_mean, "float32")
-            moving_variance = ops.cast(self.moving_variance, "float32")
-            self.moving_mean.assign(
-                moving_mean * self.momentum + mean * (1.0 - self.momentum)
-            )
-            self.moving_variance.assign(
-                moving_variance * self.momentum
-                + variance * (1.0 - self.momentum)
-            )
-            return None
-
-        ops.cond(ops.logical_and(applied, count > 0), update, lambda: None)
-        self.window_count.assign(ops.zeros_like(count))
-        self.window_mean.assign(ops.zeros_like(self.window_mean.value))
-        self.window_m2.assign(ops.zeros_like(self.window_m2.value))
+        update = ops.logical_and(applied, count > 0)
+        mean = self.window_mean.value
+        variance = self.window_m2.value / ops.maximum(count, 1e-30)
+        # The momentum rule of `BatchNormalization`, in its dtypes.
+        for moving, window in (
+            (self.moving_mean, mean),
+            (self.moving_variance, variance),
+        ):
+            value = ops.cast(moving, "float32")
+            new = value * self.momentum + window * (1.0 - self.momentum)
+            moving.assign(ops.where(update, new, value))
+        for variable in (self.window_count, self.window_mean, self.window_m2):
+            value = variable.value
+            variable.assign(ops.where(closing, ops.zeros_like(value), value))

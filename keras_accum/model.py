@@ -568,6 +568,17 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         with strategy.scope():
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
+        self._window = WindowState(
+            self.trainable_weights,
+            self._steps_for_now() or 1,
+            strategy,
+            close_hooks=self._window_close_hooks(),
+        )
+        self._window_refs = [id(v) for v in self.trainable_weights]
+        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _window_close_hooks(self):
+        """`hook(applied)` of each layer that follows the window."""
         batch_norms = [
             layer
             for layer in self._flatten_layers()
@@ -575,14 +586,7 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         ]
         for layer in batch_norms:
             layer._window_owned = True
-        self._window = WindowState(
-            self.trainable_weights,
-            self._steps_for_now() or 1,
-            strategy,
-            close_hooks=[layer._close_window for layer in batch_norms],
-        )
-        self._window_refs = [id(v) for v in self.trainable_weights]
-        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+        return [layer._close_window for layer in batch_norms]
 
     def _ensure_value_window(self):
         # JAX and PyTorch: the window as variables the shared rules advance.
@@ -590,7 +594,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
         self._window = _window_rules.WindowVariables(
-            self.trainable_weights, self._steps_for_now() or 1
+            self.trainable_weights,
+            self._steps_for_now() or 1,
+            close_hooks=self._window_close_hooks(),
         )
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)

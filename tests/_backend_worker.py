@@ -308,6 +308,83 @@ def nan_under_loss_scaling():
         keras.mixed_precision.set_global_policy("float32")
 
 
+def unused_weights():
+    """A trainable layer the loss never reaches, under AdamW with weight
+    decay: a plain step gives it no gradient, so no decay and no moments;
+    neither may the window."""
+
+    def build(model_cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,))
+        model = model_cls(inputs, keras.layers.Dense(3)(inputs), **kwargs)
+        model.unused = keras.layers.Dense(2)
+        model.unused.build((None, 5))
+        model.compile(
+            optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1),
+            loss="mse",
+        )
+        return model
+
+    x, y = regression_data(n=64)
+    plain = build(keras.Model)
+    accum = build(keras_accum.AccumModel, accum_steps=K)
+    accum.set_weights(plain.get_weights())
+    unused_before = [w.copy() for w in plain.unused.get_weights()]
+    plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    return {
+        "case": "unused_weights",
+        "trainable_weights": len(accum.trainable_weights),
+        "max_weight_diff": max_weight_diff(plain, accum),
+        "plain_unused_moved": max(
+            float(np.max(np.abs(u - v)))
+            for u, v in zip(
+                plain.unused.get_weights(), unused_before, strict=True
+            )
+        ),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+    }
+
+
+def data_parallel():
+    """`keras.distribution.DataParallel` over the process's devices (two
+    CPU devices: the test sets XLA's host device count), uneven last batch
+    included, against a plain model under the same distribution."""
+    import jax
+
+    devices = jax.devices()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=devices)
+    )
+    try:
+        # The last micro-batch holds 6 samples, 3 per device.
+        x, y = regression_data(n=70)
+        plain = mlp()
+        accum = accum_mlp(K)
+        accum.set_weights(plain.get_weights())
+        for model in (plain, accum):
+            model.compile(optimizer=optimizer("adam"), loss="mse")
+        plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+        accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+        return {
+            "case": "data_parallel",
+            "devices": len(devices),
+            "max_weight_diff": max_weight_diff(plain, accum),
+            "updates": int(accum.optimizer.iterations.numpy()),
+            "plain_updates": int(plain.optimizer.iterations.numpy()),
+            # The accumulators are laid out like the weights they sum.
+            "same_layouts": all(
+                str(a.value.sharding) == str(v.value.sharding)
+                for a, v in zip(
+                    accum.accumulators, accum.trainable_variables, strict=True
+                )
+            ),
+        }
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def _mse(reduction):
     return keras.losses.MeanSquaredError(reduction=reduction)
 
@@ -528,11 +605,67 @@ def _fit_small(model, **fit_kwargs):
     model.fit(x, y, batch_size=B, verbose=0, **fit_kwargs)
 
 
-def _accum_batch_norm():
-    inputs = keras.Input((5,))
-    hidden = keras_accum.AccumBatchNormalization()(inputs)
-    outputs = keras.layers.Dense(3)(hidden)
-    _fit_small(keras_accum.AccumModel(inputs, outputs, accum_steps=2))
+def batch_normalization(shape):
+    """`AccumBatchNormalization`'s moving statistics against
+    `BatchNormalization`'s in a plain model at the large batch, as in
+    tests/test_layers.py: one layer on the inputs, one on a dense layer's
+    activations, weights held fixed (learning rate 0)."""
+
+    def build(model_cls, norm_cls, **kwargs):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input(shape)
+        normalized = keras.layers.Flatten()(norm_cls(momentum=0.5)(inputs))
+        hidden = keras.layers.Dense(6, activation="tanh")(
+            keras.layers.Flatten()(inputs)
+        )
+        hidden = norm_cls(momentum=0.8)(hidden)
+        x = keras.layers.Concatenate()([normalized, hidden])
+        model = model_cls(inputs, keras.layers.Dense(1)(x), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = 3.0 + rng.normal(size=(70, *shape)) * np.arange(1, shape[-1] + 1)
+    x = x.astype("float32")
+    y = rng.normal(size=(70, 1)).astype("float32")
+    plain = build(keras.Model, keras.layers.BatchNormalization)
+    accum = build(
+        keras_accum.AccumModel,
+        keras_accum.AccumBatchNormalization,
+        accum_steps=K,
+    )
+    # The layer has window weights besides BatchNormalization's.
+    for mine, theirs in zip(
+        accum.trainable_weights, plain.trainable_weights, strict=True
+    ):
+        mine.assign(theirs.numpy())
+    plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+
+    def statistics(model):
+        return [
+            np.concatenate(
+                [layer.moving_mean.numpy(), layer.moving_variance.numpy()]
+            )
+            for layer in model.layers
+            if isinstance(layer, keras.layers.BatchNormalization)
+        ]
+
+    pairs = list(zip(statistics(plain), statistics(accum), strict=True))
+    return {
+        "case": f"batch_normalization_{len(shape)}d",
+        "layers": len(pairs),
+        "max_abs_diff": max(float(np.max(np.abs(p - a))) for p, a in pairs),
+        "max_rel_diff": max(
+            float(np.max(np.abs(p - a) / np.abs(p))) for p, a in pairs
+        ),
+        "moved": min(float(np.max(np.abs(p - 1.0))) for p, _ in pairs),
+        "open_counts": [
+            float(layer.window_count.numpy())
+            for layer in accum.layers
+            if isinstance(layer, keras_accum.AccumBatchNormalization)
+        ],
+    }
 
 
 def main():
@@ -579,6 +712,8 @@ def main():
                 "mean_with_sample_weight",
             )
         ),
+        *([data_parallel] if BACKEND == "jax" else []),
+        unused_weights,
         *(
             # Keras's PyTorch trainer runs one step per call; its
             # `jit_compile=True` is `torch.compile` (one shape: n=64).
@@ -606,7 +741,8 @@ def main():
         noise_scale_by_hand,
         noise_scale_like_tensorflow,
         tensorboard,
-        lambda: refusal("accum_batch_normalization", _accum_batch_norm),
+        lambda: batch_normalization((4,)),
+        lambda: batch_normalization((5, 5, 3)),
         lambda: refusal(
             "schedule_returning_zero",
             lambda: _fit_small(

@@ -68,9 +68,6 @@ EQUIVALENCE_CASES = [
     for backend in BACKENDS
     for name in sorted(_equivalence(backend))
 ]
-REFUSED = {
-    "accum_batch_normalization": "`AccumBatchNormalization`",
-}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +101,8 @@ def workers(exchange):
                 "TF_CPP_MIN_LOG_LEVEL": "3",
                 # The equivalence is measured on CPU wherever the suite runs.
                 "JAX_PLATFORMS": "cpu",
+                # Two CPU devices for `keras.distribution` on JAX.
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                 "CUDA_VISIBLE_DEVICES": "",
                 "KERAS_ACCUM_EXCHANGE_DIR": str(exchange["directory"]),
             }
@@ -128,12 +127,15 @@ def test_worker_ran_on_the_backend(backend, workers):
     names = {c["case"] for c in results["cases"]}
     expected = {
         *_equivalence(backend),
-        *REFUSED,
+        *(["data_parallel"] if backend == "jax" else []),
+        "unused_weights",
         "epoch_schedule",
         "schedule_by_update_count",
         "schedule_returning_zero",
         "tensorboard",
         "noise_scale_by_hand",
+        "batch_normalization_1d",
+        "batch_normalization_3d",
         "noise_scale_like_tensorflow",
         "non_finite_window",
         "mixed_float16",
@@ -173,6 +175,29 @@ def test_epoch_schedule(backend, workers, report_diff):
     report_diff(case["max_weight_diff"], f"{backend}: epoch_schedule")
     assert case["max_weight_diff"] < TOLERANCE, case
     assert case["updates"] == case["plain_updates"] == 8, case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_the_loss_never_reaches(backend, workers, report_diff):
+    case = _case(workers(backend), "unused_weights")
+    report_diff(case["max_weight_diff"], f"{backend}: unused weights, AdamW")
+    assert case["trainable_weights"] == 4, case
+    assert case["updates"] == case["plain_updates"] == 4, case
+    assert case["max_weight_diff"] < TOLERANCE, case
+    # What the plain model does with it (JAX gives it a zero gradient:
+    # weight decay moves it; PyTorch none: it stays), the window does too.
+    moved = {"jax": True, "torch": False}[backend]
+    assert (case["plain_unused_moved"] > 0) is moved, case
+
+
+def test_jax_data_parallel_on_two_devices(workers, report_diff):
+    case = _case(workers("jax"), "data_parallel")
+    report_diff(case["max_weight_diff"], "jax: DataParallel, 2 devices")
+    assert case["devices"] == 2, case
+    # 70 samples: windows of 4, 4 and 1 micro-batches per epoch.
+    assert case["updates"] == case["plain_updates"] == 6, case
+    assert case["max_weight_diff"] < TOLERANCE, case
+    assert case["same_layouts"], case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -317,6 +342,23 @@ def test_noise_scale_equals_tensorflow(backend, workers):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rank", [1, 3], ids=["dense", "image"])
+def test_batch_normalization_moving_statistics_equal_the_large_batch(
+    backend, rank, workers, report_diff
+):
+    case = _case(workers(backend), f"batch_normalization_{rank}d")
+    report_diff(case["max_abs_diff"], f"{backend}: AccumBatchNormalization")
+    assert case["layers"] == 2, case
+    # TensorFlow's relative tolerance (tests/test_layers.py): 2e-6.
+    assert case["max_rel_diff"] < 2e-6, case
+    assert case["max_abs_diff"] < 1e-5, case
+    # The statistics moved away from their initial values...
+    assert case["moved"] > 0.1, case
+    # ...and the last, partial window was closed into them.
+    assert case["open_counts"] == [0.0, 0.0], case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tensorboard_scalars_per_update(backend, workers):
     case = _case(workers(backend), "tensorboard")
     # 2 epochs of 8 micro-batches: 4 windows, one scalar each.
@@ -327,16 +369,6 @@ def test_tensorboard_scalars_per_update(backend, workers):
         rtol=1e-6,
     )
     assert [u[0] for u in case["logged"]] == [1, 2, 3, 4], case
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refuses_what_it_does_not_support_yet(backend, name, workers):
-    case = _case(workers(backend), name)
-    assert case["error"] == "NotImplementedError", case
-    assert REFUSED[name] in case["message"]
-    assert f"not supported on the {backend} backend yet" in case["message"]
-    assert "Received:" in case["message"]
 
 
 def _max_diff(a, b):
