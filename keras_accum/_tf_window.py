@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
+from keras_accum import _window_rules
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
@@ -160,9 +161,8 @@ class WindowState(SavedWindow):
         self, grads, weight, normalizer, loss, samples, scheduled
     ):
         starting = tf.equal(self.mini_step.value, 0)
-        length = self.target_length.value if scheduled is None else scheduled
         self.window_length.assign(
-            tf.where(starting, length, self.window_length.value)
+            _window_rules.next_window_length(self._values(), scheduled)
         )
         weight = tf.cast(weight, ACC_DTYPE)
         pairs = []
@@ -223,11 +223,9 @@ class WindowState(SavedWindow):
             # its samples where the loss sums), a product is the
             # micro-batch's mean gradient g_j times its count n_j: this
             # adds n_j |g_j|².
-            normalizer = tf.cast(normalizer, ACC_DTYPE)
-            count = tf.where(
-                normalizer > 0, normalizer, tf.cast(samples, ACC_DTYPE)
+            self.acc_grad_sq.assign_add(
+                squares / _window_rules.micro_batch_count(normalizer, samples)
             )
-            self.acc_grad_sq.assign_add(squares / count)
         self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
         self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
         self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
@@ -235,14 +233,7 @@ class WindowState(SavedWindow):
         self.epoch_step.assign_add(1)
 
     def window_is_complete(self, close_at_epoch_end):
-        complete = self.mini_step >= self.window_length
-        if close_at_epoch_end:
-            epoch_done = tf.logical_and(
-                self.steps_per_epoch > 0,
-                self.epoch_step >= self.steps_per_epoch,
-            )
-            complete = tf.logical_or(complete, epoch_done)
-        return complete
+        return _window_rules.is_complete(self._values(), close_at_epoch_end)
 
     def maybe_apply(self, optimizer, variables, should_apply, none_grads):
         """Applies the window once if `should_apply`, in any replica context.
@@ -446,44 +437,23 @@ class WindowState(SavedWindow):
         return tf.cond(sampled, estimate, otherwise)
 
     def _noise_statistics(self, optimizer):
-        """This replica's window estimates of tr(Σ) and |G|².
-
-        McCandlish et al. (2018), "An Empirical Model of Large-Batch
-        Training", appendix A: with micro-batch mean gradients g_j of n_j
-        samples (N in all, k micro-batches) and the window's mean gradient
-        G_W, E[sum_j n_j |g_j|²] = N |G|² + k tr(Σ) and E[|G_W|²] =
-        |G|² + tr(Σ) / N; solving the two gives unbiased estimates. Equal
-        micro-batches reduce it to their B_small = N / k, B_big = N form.
-        """
-        count = self._window_count()
-        k = tf.cast(self.mini_step.value, ACC_DTYPE)
-        window_sq = _sum_of_squares(
-            [acc.value for acc in self.acc_grads], self.xla
-        ) / tf.square(count)
+        """This replica's window estimates of tr(Σ) and |G|²
+        (`_window_rules.noise_statistics`)."""
         # Loss scaling multiplies every gradient by the same scale.
-        scale = tf.cast(optimizer.scale_loss(tf.ones(())), ACC_DTYPE)
-        window_sq = window_sq / tf.square(scale)
-        micro_sq = self.acc_grad_sq.value / tf.square(scale)
-        trace = (micro_sq - count * window_sq) / (k - 1.0)
-        grad_sq = window_sq - trace / count
-        # The counts are the loss's units (timesteps, pixels, weight
-        # totals); per sample, so that tr(Σ) / |G|² is a batch size.
-        trace = trace * self.acc_samples.value / count
-        enough = k >= 2.0
-        nan = tf.constant(float("nan"), ACC_DTYPE)
-        return (
-            tf.where(enough, trace, nan),
-            tf.where(enough, grad_sq, nan),
+        scale = optimizer.scale_loss(tf.ones(()))
+        return _window_rules.noise_statistics(
+            self._values(),
+            scale,
+            squares_of=lambda values: _sum_of_squares(values, self.xla),
         )
 
-    def _window_count(self):
-        # What the window's mean divides by: its loss normaliser total, or
-        # its samples where the loss sums.
-        return tf.where(
-            self.acc_normalizer.value > 0,
-            self.acc_normalizer.value,
-            self.acc_samples.value,
-        )
+    def _values(self):
+        """The window's values, named as in `_window_rules`, read lazily.
+
+        Only what a formula uses is read: an unused read of an accumulator
+        would still be ordered against its writes in the step.
+        """
+        return _LazyValues(self)
 
     def _publish(self, window_loss, samples, iterations, micro, trace, gsq):
         slot = [[self.log_count.value % LOG_CAPACITY]]
@@ -513,10 +483,20 @@ def _nothing():
     return None
 
 
+class _LazyValues:
+    """A `WindowState`'s variables as a read-on-access `_window_rules` dict."""
+
+    def __init__(self, window):
+        self._window = window
+
+    def __getitem__(self, name):
+        if name == "acc_grads":
+            return [acc.value for acc in self._window.acc_grads]
+        return getattr(self._window, name).value
+
+
 def _divisor(totals):
-    # Sum reductions add no normaliser: their window is the plain sum. So
-    # is a window whose sample weights are all zero (its sum is zero).
-    return tf.where(totals[0] > 0, totals[0], tf.ones_like(totals[0]))
+    return _window_rules.window_divisor(totals[0])
 
 
 def _decide(totals, optimizer):

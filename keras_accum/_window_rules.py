@@ -19,11 +19,13 @@ Each backend passes how to run the optimizer update (`close`'s `update`):
 `jax.lax.cond` around a stateless apply, or a Python `if` around an
 in-place one. The values rest in `keras.Variable`s between steps, which the
 model does not track: `get_weights()` and weights files stay those of a
-plain model. TensorFlow keeps the same rules in its stateful graph step
-(`_tf_window.py`), where the direct apply for `accum_steps=1`,
-`tf.distribute` and the cheaper noise-scale sampling need variables
-assigned inside conditionals; the micro-batch weighting is shared by all
-three (`AccumModel._window_objective`).
+plain model. TensorFlow's stateful graph step (`_tf_window.py`) takes its
+formulas from here (`next_window_length`, `is_complete`,
+`micro_batch_count`, `window_divisor`, `noise_statistics`) but keeps its
+own sequencing: it writes the accumulators in place inside conditionals
+(less memory), and adds the direct apply for `accum_steps=1` and
+`tf.distribute`'s per-replica sums. The micro-batch weighting is shared by
+all three (`AccumModel._window_objective`).
 """
 
 from __future__ import annotations
@@ -170,12 +172,7 @@ def accumulate(
     """
     window = dict(window)
     starting = window["mini_step"] == 0
-    length = window["target_length"]
-    if scheduled is not None:
-        length = ops.cast(scheduled, COUNT_DTYPE)
-    window["window_length"] = ops.where(
-        starting, length, window["window_length"]
-    )
+    window["window_length"] = next_window_length(window, scheduled)
     weight = ops.cast(weight, ACC_DTYPE)
     scaled = [ops.cast(grad, ACC_DTYPE) * weight for grad in grads]
     # A window's first micro-batch overwrites what the last window left.
@@ -187,11 +184,9 @@ def accumulate(
         # Divided by the micro-batch's count (its loss normaliser, or its
         # samples where the loss sums), a product is the micro-batch's mean
         # gradient g_j times its count n_j: this adds n_j |g_j|².
-        normalizer = ops.cast(normalizer, ACC_DTYPE)
-        count = ops.where(
-            normalizer > 0, normalizer, ops.cast(samples, ACC_DTYPE)
+        squares = sum_of_squares(scaled) / micro_batch_count(
+            normalizer, samples
         )
-        squares = _sum_of_squares(scaled) / count
         window["acc_grad_sq"] = window["acc_grad_sq"] + ops.where(
             _sampled(window, noise_every), squares, ops.zeros_like(squares)
         )
@@ -250,9 +245,7 @@ def close(
         The new window values.
     """
     accs = window["acc_grads"]
-    normalizer = window["acc_normalizer"]
-    # Sum reductions add no normaliser: their window is the plain sum.
-    divisor = ops.where(normalizer > 0, normalizer, ops.ones_like(normalizer))
+    divisor = window_divisor(window["acc_normalizer"])
     finite = _all_finite(accs)
     has_samples = window["acc_samples"] > 0
     # A non-finite window is skipped whole, the optimizer's state included.
@@ -265,7 +258,7 @@ def close(
     if noise_every:
         # From the window as it closes, before the update.
         sampled = _sampled(window, noise_every)
-        estimates = _noise_statistics(window, loss_scale)
+        estimates = noise_statistics(window, loss_scale)
         trace, grad_sq = (ops.where(sampled, e, nan) for e in estimates)
 
     iterations = update(go, lambda: [acc / divisor for acc in accs])
@@ -306,25 +299,56 @@ def _sampled(window, noise_every):
     return window["log_count"] % noise_every == 0
 
 
-def _noise_statistics(window, loss_scale):
+# -- The formulas, shared with TensorFlow's stateful step (`_tf_window.py`) ----
+
+
+def next_window_length(window, scheduled=None):
+    """The open window's length after this micro-batch is added.
+
+    Fixed when a window starts (`mini_step == 0`): `scheduled` (a schedule
+    of the update count) if given, else `target_length`.
+    """
+    length = window["target_length"]
+    if scheduled is not None:
+        length = ops.cast(scheduled, window["window_length"].dtype)
+    return ops.where(window["mini_step"] == 0, length, window["window_length"])
+
+
+def micro_batch_count(normalizer, samples):
+    """What a micro-batch's mean gradient averaged over: its loss
+    normaliser, or its samples where the loss sums."""
+    normalizer = ops.cast(normalizer, ACC_DTYPE)
+    return ops.where(normalizer > 0, normalizer, ops.cast(samples, ACC_DTYPE))
+
+
+def window_divisor(normalizer_total):
+    """What the window's sum is divided by at the update.
+
+    Sum reductions add no normaliser: their window is the plain sum. So is
+    a window whose sample weights are all zero (its sum is zero).
+    """
+    return ops.where(
+        normalizer_total > 0, normalizer_total, ops.ones_like(normalizer_total)
+    )
+
+
+def noise_statistics(window, loss_scale, squares_of=None):
     """The closing window's unbiased estimates of tr(Σ) and |G|².
 
     McCandlish et al. (2018), "An Empirical Model of Large-Batch Training",
     appendix A: with micro-batch mean gradients g_j of n_j samples (N in
     all, k micro-batches) and the window's mean gradient G_W,
     E[sum_j n_j |g_j|²] = N |G|² + k tr(Σ) and E[|G_W|²] = |G|² + tr(Σ)/N;
-    solving the two gives the estimates. NaN for a one-micro-batch window.
+    solving the two gives the estimates. Equal micro-batches reduce it to
+    their B_small = N / k, B_big = N form. NaN for a one-micro-batch window.
+    `squares_of` sums the accumulators' squares (TensorFlow passes its
+    XLA-friendly one).
     """
-    count = ops.where(
-        window["acc_normalizer"] > 0,
-        window["acc_normalizer"],
-        window["acc_samples"],
-    )
+    squares_of = squares_of or sum_of_squares
+    count = micro_batch_count(window["acc_normalizer"], window["acc_samples"])
     k = ops.cast(window["mini_step"], ACC_DTYPE)
     scale_sq = ops.square(ops.cast(loss_scale, ACC_DTYPE))
-    window_sq = (
-        _sum_of_squares(window["acc_grads"]) / ops.square(count) / scale_sq
-    )
+    window_sq = squares_of(window["acc_grads"]) / ops.square(count) / scale_sq
     micro_sq = window["acc_grad_sq"] / scale_sq
     trace = (micro_sq - count * window_sq) / (k - 1.0)
     grad_sq = window_sq - trace / count
@@ -336,7 +360,7 @@ def _noise_statistics(window, loss_scale):
     return ops.where(enough, trace, nan), ops.where(enough, grad_sq, nan)
 
 
-def _sum_of_squares(values):
+def sum_of_squares(values):
     total = ops.zeros((), ACC_DTYPE)
     for value in values:
         total = total + ops.sum(ops.square(value))
