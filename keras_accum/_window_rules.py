@@ -1,12 +1,13 @@
-"""The window rules as pure functions of window values (JAX and PyTorch).
+"""The window rules, written once, as pure functions of window values.
 
 The rules: a window's first micro-batch overwrites what the last window
 left in the accumulators, later ones add to them; a window closes when full
 or at the epoch's last step; a closing window is divided by its normaliser
-total and applied once, or skipped whole if not finite; closed windows are
-published for `PseudoBatchLogger`. Here they are written once, with
-`keras.ops`, as functions from window values to new window values, for the
-two backends whose steps are Python functions of values:
+total and applied once, or skipped whole if not finite; sampled windows
+estimate the gradient noise scale; closed windows are published for
+`PseudoBatchLogger`. Here they are written with `keras.ops`, as functions
+from window values to new window values, run whole by the two backends
+whose steps are Python functions of values:
 
 - JAX traces a stateless, jitted step that takes every value it needs as an
   argument and returns the new ones (a variable assigned inside it would
