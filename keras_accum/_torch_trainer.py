@@ -131,11 +131,16 @@ class TorchAccumTrainer:
                 batch_size,
                 scheduled,
                 self._noise_scale_every,
+                add_to_accumulators=_add_in_place,
             )
+            # Eager: the window closes only when it is complete, so the
+            # other micro-batches skip the close's passes over the
+            # accumulators (finiteness) and its ring writes.
             complete = _window_rules.is_complete(
                 window, self._partial_window == "apply"
             )
-            window = self._close(window, complete)
+            if bool(complete):
+                window = self._close(window, True)
             window_state.write(window)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -179,7 +184,25 @@ class TorchAccumTrainer:
         def flush():
             with torch.no_grad():
                 window = window_state.read()
-                window = self._close(window, window["mini_step"] > 0)
-                window_state.write(window)
+                if bool(window["mini_step"] > 0):
+                    window = self._close(window, True)
+                    window_state.write(window)
 
         return flush
+
+
+def _add_in_place(accs, grads, weight, starting):
+    """`_window_rules.add_weighted`, writing into the accumulators.
+
+    The same rule (a window's first micro-batch overwrites, later ones
+    add), without the new tensors the functional form allocates per
+    accumulator and micro-batch.
+    """
+    first = bool(starting)
+    for acc, grad in zip(accs, grads, strict=True):
+        grad = grad.to(acc.dtype)
+        if first:
+            torch.mul(grad, weight, out=acc)
+        else:
+            acc.addcmul_(grad, weight)
+    return accs

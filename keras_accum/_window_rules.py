@@ -143,11 +143,16 @@ class WindowVariables(SavedWindow):
         return self.unpack([v.value for v in self.variables])
 
     def write(self, window: WindowValues) -> None:
-        """Assigns new values (from `accumulate`, `close`) to the variables."""
+        """Assigns new values (from `accumulate`, `close`) to the variables.
+
+        A value that is still the variable's own (unchanged, or changed in
+        place) is not copied.
+        """
         for variable, value in zip(
             self.variables, self.pack(window), strict=True
         ):
-            variable.assign(value)
+            if value is not variable.value:
+                variable.assign(value)
 
 
 # -- Pure window maths ---------------------------------------------------------
@@ -162,6 +167,7 @@ def accumulate(
     samples,
     scheduled=None,
     noise_every: int = 0,
+    add_to_accumulators=None,
 ) -> WindowValues:
     """Adds one micro-batch to the window; returns the new values.
 
@@ -169,24 +175,26 @@ def accumulate(
     (an accumulation schedule of the update count); otherwise
     `target_length` is. With `noise_every` (the gradient noise scale, in
     every `noise_every`-th window; 0 for none), sampled windows also sum
-    the micro-batches' squared gradient norms.
+    the micro-batches' squared gradient norms. `add_to_accumulators`
+    (`add_to_accumulators(accs, grads, weight, starting)`, returning the new
+    accumulators) replaces `add_weighted`, e.g. by its in-place form.
     """
     window = dict(window)
     starting = window["mini_step"] == 0
     window["window_length"] = next_window_length(window, scheduled)
     weight = ops.cast(weight, ACC_DTYPE)
-    scaled = [ops.cast(grad, ACC_DTYPE) * weight for grad in grads]
-    # A window's first micro-batch overwrites what the last window left.
-    window["acc_grads"] = [
-        ops.where(starting, value, acc + value)
-        for acc, value in zip(window["acc_grads"], scaled, strict=True)
-    ]
+    add = add_to_accumulators or add_weighted
+    window["acc_grads"] = add(window["acc_grads"], grads, weight, starting)
     if noise_every:
         # Divided by the micro-batch's count (its loss normaliser, or its
-        # samples where the loss sums), a product is the micro-batch's mean
-        # gradient g_j times its count n_j: this adds n_j |g_j|².
-        squares = sum_of_squares(scaled) / micro_batch_count(
-            normalizer, samples
+        # samples where the loss sums), a weighted gradient is the
+        # micro-batch's mean gradient g_j times its count n_j: this adds
+        # n_j |g_j|².
+        grads = [ops.cast(grad, ACC_DTYPE) for grad in grads]
+        squares = (
+            sum_of_squares(grads)
+            * ops.square(weight)
+            / micro_batch_count(normalizer, samples)
         )
         window["acc_grad_sq"] = window["acc_grad_sq"] + ops.where(
             _sampled(window, noise_every), squares, ops.zeros_like(squares)
@@ -200,6 +208,20 @@ def accumulate(
     window["mini_step"] = window["mini_step"] + 1
     window["epoch_step"] = window["epoch_step"] + 1
     return window
+
+
+def add_weighted(accs, grads, weight, starting):
+    """The accumulators after adding `grads` times `weight`.
+
+    A window's first micro-batch (`starting`) overwrites what the last
+    window left, instead of adding to zeros: clearing them after an update
+    would cost a pass over every accumulator.
+    """
+    new = []
+    for acc, grad in zip(accs, grads, strict=True):
+        value = ops.cast(grad, ACC_DTYPE) * weight
+        new.append(ops.where(starting, value, acc + value))
+    return new
 
 
 def is_complete(window: WindowValues, close_at_epoch_end: bool):

@@ -16,7 +16,6 @@ def _run(script, out, *args):
             sys.executable,
             str(ROOT / "benchmarks" / script),
             "--models=mlp",
-            "--jit=off",
             "--samples-per-run=256",
             f"--out={out}",
             *args,
@@ -35,6 +34,7 @@ def test_throughput_script_smoke(tmp_path):
     rows = _run(
         "bench_throughput.py",
         tmp_path / "throughput.json",
+        "--jit=off",
         "--ks=1,4",
         "--spe=1",
         "--rounds=1",
@@ -53,6 +53,7 @@ def test_noise_overhead_script_smoke(tmp_path):
     report = _run(
         "bench_noise_overhead.py",
         tmp_path / "noise_overhead.json",
+        "--jit=off",
         "--ks=4",
         "--every=1,2",
         "--rounds=3",
@@ -64,3 +65,18 @@ def test_noise_overhead_script_smoke(tmp_path):
         r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"] for r in rows
     )
     assert set(report["median_over_settings"]) == {"0", "1", "2"}
+
+
+def test_backends_script_smoke(tmp_path):
+    rows = _run(
+        "bench_backends.py",
+        tmp_path / "backends.json",
+        "--backends=torch",
+        "--ks=4",
+        "--rounds=2",
+    )["rows"]
+    assert {(r["backend"], r["variant"], r["k"]) for r in rows} == {
+        ("torch", "accum", 4),
+        ("torch", "keras_ga", 4),
+    }
+    assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)

@@ -1,0 +1,206 @@
+"""What accumulation costs on each Keras backend, side by side.
+
+Keras fixes its backend at import, so each backend runs in its own process
+(this script with `--worker BACKEND`). In each, for every model and k, three
+variants are built and warmed up once, then timed in interleaved rounds:
+
+- `Model(B)`: plain Keras at the micro-batch, the limit (same compute, no
+  accumulation);
+- `AccumModel(B, k)`: this library;
+- `Model(B) + optimizer(gradient_accumulation_steps=k)`: Keras's built-in.
+
+Reported per backend, model and k: the median over rounds of each round's
+ratio of CPU time per sample to `Model(B)`'s in the same round (paired, so
+that a machine slowed for a while slows both), with the first and third
+quartiles. Each backend runs its default step: TensorFlow's `tf.function`
+(`jit_compile="auto"`), JAX's `jax.jit`, PyTorch's eager step.
+
+    python benchmarks/bench_backends.py                 # all three
+    python benchmarks/bench_backends.py --backends=torch --rounds=3
+
+Results go to benchmarks/results/backends.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("plain", "accum", "keras_ga")
+
+
+def _models(keras):
+    def mlp():
+        inputs = keras.Input((784,))
+        x = keras.layers.Dense(512, activation="relu")(inputs)
+        x = keras.layers.Dense(512, activation="relu")(x)
+        return inputs, keras.layers.Dense(10)(x), (784,)
+
+    def cnn():
+        inputs = keras.Input((28, 28, 1))
+        x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Conv2D(64, 3, activation="relu")(x)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Flatten()(x)
+        return inputs, keras.layers.Dense(10)(x), (28, 28, 1)
+
+    return {"mlp": mlp, "cnn": cnn}
+
+
+def worker(args):
+    """Times the variants on the backend Keras was imported with."""
+    import keras
+    import numpy as np
+
+    import keras_accum
+
+    models = _models(keras)
+
+    def build(name, variant, k):
+        keras.utils.set_random_seed(0)
+        inputs, outputs, _ = models[name]()
+        kwargs = (
+            {"gradient_accumulation_steps": k} if variant == "keras_ga" else {}
+        )
+        if variant == "accum":
+            model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
+        else:
+            model = keras.Model(inputs, outputs)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3, **kwargs),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    def cpu_per_sample(model, x, y):
+        start = time.process_time()
+        model.fit(x, y, batch_size=args.micro_batch, shuffle=False, verbose=0)
+        return (time.process_time() - start) / len(x)
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        shape = models[name]()[2]
+        for k in (int(k) for k in args.ks.split(",")):
+            # Whole windows only.
+            samples = args.samples_per_run // (args.micro_batch * k)
+            samples = max(1, samples) * args.micro_batch * k
+            x = rng.normal(size=(samples, *shape)).astype("float32")
+            y = rng.integers(0, 10, size=samples).astype("int32")
+            built = {v: build(name, v, k) for v in VARIANTS}
+            for model in built.values():
+                cpu_per_sample(model, x, y)  # Trace, compile, warm up.
+            times = {v: [] for v in VARIANTS}
+            for round_ in range(args.rounds):
+                # Rotating order: no variant always runs first.
+                order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
+                for variant in order:
+                    times[variant].append(cpu_per_sample(built[variant], x, y))
+            for variant in ("accum", "keras_ga"):
+                ratios = [
+                    t / p
+                    for t, p in zip(times[variant], times["plain"], strict=True)
+                ]
+                quartiles = (
+                    statistics.quantiles(ratios, n=4)
+                    if len(ratios) > 1
+                    else [ratios[0]] * 3
+                )
+                rows.append(
+                    {
+                        "backend": keras.backend.backend(),
+                        "model": name,
+                        "k": k,
+                        "variant": variant,
+                        "micro_batch": args.micro_batch,
+                        "samples_per_run": samples,
+                        "ratios": ratios,
+                        "ratio_median": statistics.median(ratios),
+                        "ratio_q1": quartiles[0],
+                        "ratio_q3": quartiles[2],
+                        "plain_samples_per_cpu_s": 1.0
+                        / statistics.median(times["plain"]),
+                    }
+                )
+    print("RESULTS " + json.dumps(rows), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", default="tensorflow,jax,torch")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--ks", default="4,16")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--samples-per-run", type=int, default=4096)
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/backends.json")
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    rows = []
+    for backend in args.backends.split(","):
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": backend,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        }
+        command = [sys.executable, __file__, "--worker", backend]
+        for option in ("models", "ks", "micro_batch", "rounds"):
+            command.append(
+                f"--{option.replace('_', '-')}={getattr(args, option)}"
+            )
+        command.append(f"--samples-per-run={args.samples_per_run}")
+        result = subprocess.run(
+            command, env=env, capture_output=True, text=True, check=False
+        )
+        line = next(
+            (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
+            None,
+        )
+        if result.returncode != 0 or line is None:
+            sys.exit(f"{backend} worker failed:\n{result.stderr[-3000:]}")
+        rows.extend(json.loads(line[len("RESULTS ") :]))
+
+    import keras
+
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "keras": keras.__version__,
+        },
+        "clock": "cpu",
+        "rounds": args.rounds,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"{'backend':<11} {'model':<5} {'k':>3}  {'variant':<9} "
+        "median  (q1-q3) of CPU time/sample vs Model(B)"
+    )
+    for r in rows:
+        print(
+            f"{r['backend']:<11} {r['model']:<5} {r['k']:>3}  "
+            f"{r['variant']:<9} {r['ratio_median']:.3f}  "
+            f"({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
