@@ -119,6 +119,10 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     The `loss` and metrics in `fit`'s logs are what a plain model reports
     on the same micro-batches. `evaluate` and `predict` are unchanged.
 
+    The class is the same on Keras's TensorFlow, JAX and PyTorch backends
+    (chosen by `KERAS_BACKEND`), with the same guarantees; a model saved on
+    one loads and resumes on another, an open window included.
+
     `AccumModel` is used like `keras.Model`, three ways:
 
     - functional: `AccumModel(inputs, outputs, accum_steps=4)`;
@@ -158,12 +162,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.
-        RuntimeError: If Keras runs on a backend other than TensorFlow or
-            JAX.
-        NotImplementedError: On JAX, for what it does not support yet: an
-            `accum_steps` callable, `PseudoBatchLogger` with `noise_scale`
-            or `log_dir`, `AccumBatchNormalization`, mixed precision
-            (`LossScaleOptimizer`) and `keras.distribution`.
+        RuntimeError: If Keras runs on a backend other than TensorFlow,
+            JAX or PyTorch.
+        NotImplementedError: On JAX with Flax NNX mode enabled.
 
     Example:
 
