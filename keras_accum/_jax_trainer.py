@@ -140,11 +140,9 @@ class JaxAccumTrainer:
         )
         loss, y_pred, non_trainable, metrics, weight, normalizer, term = aux
 
-        scheduled = None
-        if callable(self._accum_steps):
-            scheduled = self._scheduled_length(
-                optimizer_values[_iterations_index(self.optimizer)]
-            )
+        scheduled = self._scheduled_length(
+            optimizer_values[_iterations_index(self.optimizer)]
+        )
 
         # Added to the window; applied once per window, in the step.
         window = _window_rules.accumulate(
@@ -196,8 +194,8 @@ class JaxAccumTrainer:
         """What the step differentiates: the micro-batch's window objective.
 
         Keras's `compute_loss_and_updates`, except that the loss is turned
-        into the micro-batch's share of the window by `_window_objective`
-        (shared with the TensorFlow step), with the window's values mapped
+        into the micro-batch's share of the window by `_micro_batch_share`
+        (shared with the other backends), with the window's values mapped
         onto its variables.
 
         Returns:
@@ -215,6 +213,8 @@ class JaxAccumTrainer:
             *zip(self.non_trainable_variables, non_trainable, strict=True),
             *zip(self.metrics_variables, metrics, strict=True),
             *zip(self._window.variables, window_values, strict=True),
+            # For `scale_loss`.
+            *zip(self.optimizer.variables, optimizer_values, strict=True),
         ]
         if losses:
             # The forward pass's losses (regularization included), for
@@ -230,7 +230,7 @@ class JaxAccumTrainer:
                     sample_weight=sample_weight,
                     training=True,
                 )
-                objective, weight, normalizer = self._window_objective(
+                scaled, weight, normalizer, term = self._micro_batch_share(
                     loss, y, y_pred, sample_weight, batch_size, self._window
                 )
         finally:
@@ -240,12 +240,6 @@ class JaxAccumTrainer:
             scope.get_current_value(v) for v in self.non_trainable_variables
         ]
         metrics = [scope.get_current_value(v) for v in self.metrics_variables]
-        term = keras.ops.cast(objective, "float32") * weight
-        optimizer_mapping = list(
-            zip(self.optimizer.variables, optimizer_values, strict=True)
-        )
-        with backend.StatelessScope(state_mapping=optimizer_mapping):
-            scaled = self.optimizer.scale_loss(objective)
         aux = (loss, y_pred, non_trainable, metrics, weight, normalizer, term)
         return scaled, aux
 

@@ -89,12 +89,9 @@ class TorchAccumTrainer:
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
 
         # Weight the micro-batch by its share of the window's loss.
-        objective, weight, normalizer = self._window_objective(
+        objective, weight, normalizer, term = self._micro_batch_share(
             loss, y, y_pred, sample_weight, batch_size, window_state
         )
-        term = keras.ops.cast(objective.detach(), "float32") * weight
-        if self.optimizer is not None:
-            objective = self.optimizer.scale_loss(objective)
 
         if not self.trainable_weights:
             warnings.warn(
@@ -117,11 +114,6 @@ class TorchAccumTrainer:
 
         # Added to the window; applied once per window, in the step.
         with torch.no_grad():
-            scheduled = None
-            if callable(self._accum_steps):
-                scheduled = self._scheduled_length(
-                    self.optimizer.iterations.value
-                )
             window = _window_rules.accumulate(
                 window_state.read(),
                 gradients,
@@ -129,7 +121,7 @@ class TorchAccumTrainer:
                 normalizer,
                 term,
                 batch_size,
-                scheduled,
+                self._scheduled_length(self.optimizer.iterations.value),
                 self._noise_scale_every,
                 add_to_accumulators=_add_in_place,
             )

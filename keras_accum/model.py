@@ -646,12 +646,11 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             )
 
             # Weight the micro-batch by its share of the window's loss.
-            objective, weight, normalizer = self._window_objective(
-                loss, y, y_pred, sample_weight, batch_size, window
+            objective, weight, normalizer, window_loss_term = (
+                self._micro_batch_share(
+                    loss, y, y_pred, sample_weight, batch_size, window
+                )
             )
-            window_loss_term = tf.cast(objective, "float32") * weight
-            if self.optimizer is not None:
-                objective = self.optimizer.scale_loss(objective)
 
         if not self.trainable_weights:
             warnings.warn(
@@ -666,9 +665,7 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         gradients = tape.gradient(objective, trainable_weights)
         none_grads = self._window_none_grads = [g is None for g in gradients]
 
-        scheduled = None
-        if callable(self._accum_steps):
-            scheduled = self._scheduled_length(self.optimizer.iterations)
+        scheduled = self._scheduled_length(self.optimizer.iterations)
 
         def accumulate_then_maybe_apply():
             # Added to the window; applied once per window, in the step.
@@ -715,7 +712,13 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         )
 
     def _scheduled_length(self, updates):
-        """The callable schedule's window length for `updates`, in the step."""
+        """The callable schedule's window length for `updates`, in the step.
+
+        None unless `accum_steps` is a callable (the window then takes its
+        length from `target_length`).
+        """
+        if not callable(self._accum_steps):
+            return None
         length = ops.cast(self._accum_steps(updates), _COUNT_DTYPE)
         if len(length.shape) != 0:
             raise ValueError(
@@ -775,6 +778,26 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         return tree.map_structure(
             lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
         )
+
+    def _micro_batch_share(
+        self, loss, y, y_pred, sample_weight, batch_size, window
+    ):
+        """What every backend's step differentiates and adds to the window.
+
+        Returns:
+            `(objective, weight, normaliser, window loss term)`: the
+            micro-batch's share of the window's loss, loss-scaled for the
+            optimizer; the weight its gradient gets in the accumulators;
+            the normaliser it adds to the window's divisor; and its
+            weighted loss, float32, for the pseudo-batch loss.
+        """
+        objective, weight, normalizer = self._window_objective(
+            loss, y, y_pred, sample_weight, batch_size, window
+        )
+        term = ops.cast(ops.stop_gradient(objective), "float32") * weight
+        if self.optimizer is not None:
+            objective = self.optimizer.scale_loss(objective)
+        return objective, weight, normalizer, term
 
     def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
         """Returns (what to differentiate, its weight, its normaliser).
