@@ -561,25 +561,31 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             return
         if not all(layer.built for layer in self._flatten_layers()):
             return
-        if _BACKEND != "tensorflow":
-            return self._ensure_value_window()
-        from keras_accum._tf_window import WindowState
+        hooks = self._window_close_hooks()
+        length = self._steps_for_now() or 1
+        if _BACKEND == "tensorflow":
+            from keras_accum._tf_window import WindowState
 
-        strategy = self.distribute_strategy
-        with strategy.scope():
+            strategy = self.distribute_strategy
+            with strategy.scope():
+                if not self.optimizer.built:
+                    self.optimizer.build(self.trainable_variables)
+            self._window = WindowState(
+                self.trainable_weights, length, strategy, close_hooks=hooks
+            )
+        else:
+            # JAX and PyTorch: variables that the shared rules advance.
+            _backend_support.check_model(self)
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
-        self._window = WindowState(
-            self.trainable_weights,
-            self._steps_for_now() or 1,
-            strategy,
-            close_hooks=self._window_close_hooks(),
-        )
+            self._window = _window_rules.WindowVariables(
+                self.trainable_weights, length, close_hooks=hooks
+            )
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
     def _window_close_hooks(self):
-        """`hook(applied)` of each layer that follows the window."""
+        """`hook(applied, closing)` of each layer that follows the window."""
         batch_norms = [
             layer
             for layer in self._flatten_layers()
@@ -588,19 +594,6 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         for layer in batch_norms:
             layer._window_owned = True
         return [layer._close_window for layer in batch_norms]
-
-    def _ensure_value_window(self):
-        # JAX and PyTorch: the window as variables the shared rules advance.
-        _backend_support.check_model(self)
-        if not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        self._window = _window_rules.WindowVariables(
-            self.trainable_weights,
-            self._steps_for_now() or 1,
-            close_hooks=self._window_close_hooks(),
-        )
-        self._window_refs = [id(v) for v in self.trainable_weights]
-        self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
     def _window_for_step(self):
         if self._window is None:
