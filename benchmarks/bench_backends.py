@@ -37,49 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "accum", "keras_ga")
 
 
-def _models(keras):
-    def mlp():
-        inputs = keras.Input((784,))
-        x = keras.layers.Dense(512, activation="relu")(inputs)
-        x = keras.layers.Dense(512, activation="relu")(x)
-        return inputs, keras.layers.Dense(10)(x), (784,)
-
-    def cnn():
-        inputs = keras.Input((28, 28, 1))
-        x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Conv2D(64, 3, activation="relu")(x)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Flatten()(x)
-        return inputs, keras.layers.Dense(10)(x), (28, 28, 1)
-
-    return {"mlp": mlp, "cnn": cnn}
-
-
 def worker(args):
     """Times the variants on the backend Keras was imported with."""
     import keras
     import numpy as np
 
-    import keras_accum
-
-    models = _models(keras)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _variants import MODELS, compiled
 
     def build(name, variant, k):
         keras.utils.set_random_seed(0)
-        inputs, outputs, _ = models[name]()
-        kwargs = (
-            {"gradient_accumulation_steps": k} if variant == "keras_ga" else {}
-        )
-        if variant == "accum":
-            model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
-        else:
-            model = keras.Model(inputs, outputs)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3, **kwargs),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        return model
+        inputs, outputs, _, _ = MODELS[name]()
+        return compiled(inputs, outputs, variant, k)
 
     def cpu_per_sample(model, x, y):
         start = time.process_time()
@@ -89,7 +58,7 @@ def worker(args):
     rows = []
     rng = np.random.default_rng(0)
     for name in args.models.split(","):
-        shape = models[name]()[2]
+        shape = MODELS[name]()[2]
         for k in (int(k) for k in args.ks.split(",")):
             # Whole windows only.
             samples = args.samples_per_run // (args.micro_batch * k)

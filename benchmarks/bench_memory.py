@@ -46,7 +46,8 @@ def child(model_name, variant, micro_batch, k, steps):
     import numpy as np
     import tensorflow as tf
 
-    import keras_accum
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _variants import compiled
 
     keras.utils.set_random_seed(0)
     if model_name == "wide_mlp":
@@ -66,18 +67,7 @@ def child(model_name, variant, micro_batch, k, steps):
         x = keras.layers.GlobalAveragePooling2D()(x)
         outputs = keras.layers.Dense(10)(x)
         shape = (64, 64, 3)
-    kwargs = {}
-    if variant == "keras_ga":
-        kwargs["gradient_accumulation_steps"] = k
-    if variant == "accum":
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
-    else:
-        model = keras.Model(inputs, outputs)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3, **kwargs),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=False,
-    )
+    model = compiled(inputs, outputs, variant, k, jit_compile=False)
     batch = micro_batch * (k if variant == "large" else 1)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, *shape)).astype("float32")

@@ -44,42 +44,13 @@ import tensorflow as tf  # noqa: E402
 
 import keras_accum  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _variants import MODELS, compiled  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- Models -------------------------------------------------------------------
-
-
-def mlp():
-    inputs = keras.Input((784,))
-    x = keras.layers.Dense(512, activation="relu")(inputs)
-    x = keras.layers.Dense(512, activation="relu")(x)
-    return inputs, keras.layers.Dense(10)(x), (784,), 10
-
-
-def cnn():
-    inputs = keras.Input((28, 28, 1))
-    x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
-    x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.Conv2D(64, 3, activation="relu")(x)
-    x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.Flatten()(x)
-    return inputs, keras.layers.Dense(10)(x), (28, 28, 1), 10
-
-
-def transformer():
-    seq, width, vocab = 64, 64, 1000
-    inputs = keras.Input((seq,), dtype="int32")
-    x = keras.layers.Embedding(vocab, width)(inputs)
-    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)
-    x = keras.layers.LayerNormalization()(x + attention(x, x))
-    ffn = keras.layers.Dense(4 * width, activation="gelu")(x)
-    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(ffn))
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    return inputs, keras.layers.Dense(10)(x), (seq,), vocab
-
-
-MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
 
 
 def data(model_name, samples):
@@ -96,20 +67,9 @@ def data(model_name, samples):
 def build(model_name, variant, k, jit, spe):
     keras.utils.set_random_seed(0)
     inputs, outputs, _, _ = MODELS[model_name]()
-    optimizer_kwargs = {}
-    if variant == "keras_ga":
-        optimizer_kwargs["gradient_accumulation_steps"] = k
-    if variant.startswith("accum"):
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=k)
-    else:
-        model = keras.Model(inputs, outputs)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3, **optimizer_kwargs),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit,
-        steps_per_execution=spe,
+    return compiled(
+        inputs, outputs, variant, k, jit_compile=jit, steps_per_execution=spe
     )
-    return model
 
 
 # -- Timing -------------------------------------------------------------------
