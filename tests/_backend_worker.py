@@ -82,6 +82,20 @@ def optimizer(name):
     }[name]()
 
 
+def _pair(opt="adam", accum_steps=K):
+    """A plain MLP and an `AccumModel` MLP with its weights, compiled alike
+    (`opt`: a name for `optimizer`, or an optimizer factory)."""
+    plain = mlp()
+    accum = accum_mlp(accum_steps)
+    accum.set_weights(plain.get_weights())
+    for model in (plain, accum):
+        model.compile(
+            optimizer=optimizer(opt) if isinstance(opt, str) else opt(),
+            loss="mse",
+        )
+    return plain, accum
+
+
 def _diff_over_updates(plain_rec, accum_rec):
     """The largest weight difference at the updates both models recorded.
 
@@ -234,11 +248,7 @@ def non_finite_window():
     """
     x, y = regression_data(n=64)
     x[10, 0] = np.nan
-    plain = mlp()
-    accum = accum_mlp(K)
-    accum.set_weights(plain.get_weights())
-    plain.compile(optimizer=optimizer("adam"), loss="mse")
-    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    plain, accum = _pair()
     plain.fit(x[32:], y[32:], batch_size=B * K, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     return {
@@ -258,11 +268,7 @@ def mixed_precision(policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         x, y = regression_data(n=70)
-        plain = mlp()
-        accum = accum_mlp(K)
-        accum.set_weights(plain.get_weights())
-        for model in (plain, accum):
-            model.compile(optimizer=optimizer("adam"), loss="mse")
+        plain, accum = _pair()
         plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
         accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
         return {
@@ -287,11 +293,7 @@ def nan_under_loss_scaling():
     try:
         x, y = regression_data(n=64)
         x[40, 0] = np.nan
-        plain = mlp()
-        accum = accum_mlp(K)
-        accum.set_weights(plain.get_weights())
-        for model in (plain, accum):
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        plain, accum = _pair(lambda: keras.optimizers.SGD(0.1))
         plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
         accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
         return {
@@ -360,11 +362,7 @@ def data_parallel():
     try:
         # The last micro-batch holds 6 samples, 3 per device.
         x, y = regression_data(n=70)
-        plain = mlp()
-        accum = accum_mlp(K)
-        accum.set_weights(plain.get_weights())
-        for model in (plain, accum):
-            model.compile(optimizer=optimizer("adam"), loss="mse")
+        plain, accum = _pair()
         plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
         accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
         return {
@@ -392,11 +390,7 @@ def _mse(reduction):
 def epoch_schedule():
     """`accum_steps={0: 2, 1: 4}` against batch 16, then batch 32."""
     x, y = regression_data(n=70)
-    plain = mlp()
-    accum = mlp(keras_accum.AccumModel, accum_steps={0: 2, 1: 4})
-    accum.set_weights(plain.get_weights())
-    plain.compile(optimizer=optimizer("adam"), loss="mse")
-    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    plain, accum = _pair(accum_steps={0: 2, 1: 4})
     for batch_size in (B * 2, B * 4):
         plain.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
@@ -412,11 +406,7 @@ def schedule_by_update_count():
     """`accum_steps=lambda u: where(u < 3, 1, 4)` (traced into the step)
     against 3 updates at batch 8, then batch 32."""
     x, y = regression_data(n=88)
-    plain = mlp()
-    accum = accum_mlp(lambda u: keras.ops.where(u < 3, 1, 4))
-    accum.set_weights(plain.get_weights())
-    plain.compile(optimizer=optimizer("adam"), loss="mse")
-    accum.compile(optimizer=optimizer("adam"), loss="mse")
+    plain, accum = _pair(accum_steps=lambda u: keras.ops.where(u < 3, 1, 4))
     plain.fit(x[:24], y[:24], batch_size=B, shuffle=False, verbose=0)
     plain.fit(x[24:], y[24:], batch_size=4 * B, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
