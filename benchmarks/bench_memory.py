@@ -13,8 +13,11 @@ Variants: `Model(B)`, `AccumModel(B, k)`, `Model(B)` with Keras's
 fresh processes; the median is reported.
 
     python benchmarks/bench_memory.py [--write-docs]
+    python benchmarks/bench_memory.py --backend=torch   # or jax (CPU RSS)
 
-Results go to benchmarks/results/memory.json.
+Results go to benchmarks/results/memory.json (memory_torch.json, ...). On
+JAX and PyTorch the batches come from a Python generator instead of
+`tf.data`, and only the resident set is measured.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ def child(model_name, variant, micro_batch, k, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
-    import tensorflow as tf
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _variants import compiled
@@ -72,10 +74,14 @@ def child(model_name, variant, micro_batch, k, steps):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, *shape)).astype("float32")
     y = rng.integers(0, 10, size=batch).astype("int32")
-    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
     params = sum(int(np.prod(w.shape)) for w in model.trainable_weights) * 4
-    gpu = bool(tf.config.list_physical_devices("GPU"))
     steps = steps if variant == "large" else steps * k
+    if keras.backend.backend() != "tensorflow":
+        return _other_backend_child(model, x, y, steps, params)
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+    gpu = bool(tf.config.list_physical_devices("GPU"))
     if gpu:
         tf.config.experimental.reset_memory_stats("GPU:0")
         model.fit(ds, steps_per_epoch=steps, verbose=0)
@@ -94,6 +100,24 @@ def child(model_name, variant, micro_batch, k, steps):
     return {
         "peak_bytes": growth,
         "tensor_peak_bytes": tensors - tensors_before,
+        "device": "CPU",
+        "param_bytes": params,
+    }
+
+
+def _other_backend_child(model, x, y, steps, params):
+    """Peak resident-set growth during `fit` on JAX or PyTorch (CPU)."""
+
+    def batches():
+        while True:
+            yield x, y
+
+    before = _read_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Resets VmHWM, the peak resident set, to now.
+    model.fit(batches(), steps_per_epoch=steps, verbose=0)
+    return {
+        "peak_bytes": _read_status("VmHWM") - before,
         "device": "CPU",
         "param_bytes": params,
     }
@@ -123,7 +147,19 @@ def main(argv=None):
         "--out", default=str(ROOT / "benchmarks/results/memory.json")
     )
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--backend",
+        default="tensorflow",
+        help="Keras backend of the measured processes",
+    )
     args = parser.parse_args(argv)
+    if args.backend != "tensorflow":
+        if args.write_docs:
+            parser.error("--write-docs reports the TensorFlow run only")
+        if args.out == parser.get_default("out"):
+            args.out = str(
+                ROOT / f"benchmarks/results/memory_{args.backend}.json"
+            )
     if args.child:
         name, variant, b, k = args.child
         print(json.dumps(child(name, variant, int(b), int(k), args.steps)))
@@ -151,6 +187,11 @@ def main(argv=None):
                     text=True,
                     check=True,
                     timeout=900,
+                    env={
+                        **os.environ,
+                        "KERAS_BACKEND": args.backend,
+                        "JAX_PLATFORMS": "cpu",
+                    },
                 )
                 samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 elapsed = time.perf_counter() - started
@@ -182,7 +223,10 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"repeats": args.repeats, "rows": rows}, indent=1)
+        json.dumps(
+            {"backend": args.backend, "repeats": args.repeats, "rows": rows},
+            indent=1,
+        )
     )
     print(f"wrote {out}")
     if args.write_docs:

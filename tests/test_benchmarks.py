@@ -80,3 +80,30 @@ def test_backends_script_smoke(tmp_path):
         ("torch", "keras_ga", 4),
     }
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
+
+
+def test_memory_child_on_torch_smoke():
+    # One measured process of `bench_memory.py --backend=torch`.
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_memory.py"),
+            "--steps=1",
+            "--child",
+            "cnn",
+            "accum",
+            "4",
+            "2",
+        ],
+        env={**os.environ, "KERAS_BACKEND": "torch"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["device"] == "CPU"
+    assert row["peak_bytes"] > 0
+    assert row["param_bytes"] == 455464  # The CNN's float32 weights.
+    assert "tensor_peak_bytes" not in row  # TensorFlow's allocator only.
