@@ -15,6 +15,7 @@ save and load, `PseudoBatchLogger`, or an unsupported feature, did. The
 test asserts on the results; this script only measures.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _helpers import (  # noqa: E402
     UpdateRecorder,
     accum_mlp,
+    batch_norm_data,
+    batch_norm_model,
     classification_data,
     continue_one_epoch,
     log_noise_scale,
@@ -263,10 +266,18 @@ def non_finite_window():
     }
 
 
+@contextlib.contextmanager
+def _global_policy(name):
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def mixed_precision(policy):
     """Under `policy`, against a plain model under the same policy."""
-    keras.mixed_precision.set_global_policy(policy)
-    try:
+    with _global_policy(policy):
         x, y = regression_data(n=70)
         plain, accum = _pair()
         plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
@@ -281,16 +292,13 @@ def mixed_precision(policy):
             "plain_updates": int(plain.optimizer.iterations.numpy()),
             "skipped_windows": accum.skipped_windows,
         }
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
 def nan_under_loss_scaling():
     """A NaN in the second window under `mixed_float16`: the window goes
     to the `LossScaleOptimizer`, which skips it and halves its scale, as
     for the large batch that holds the NaN."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
+    with _global_policy("mixed_float16"):
         x, y = regression_data(n=64)
         x[40, 0] = np.nan
         plain, accum = _pair(lambda: keras.optimizers.SGD(0.1))
@@ -306,8 +314,6 @@ def nan_under_loss_scaling():
             "plain_updates": int(plain.optimizer.iterations.numpy()),
             "skipped_windows": accum.skipped_windows,
         }
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
 def unused_weights():
@@ -600,28 +606,14 @@ def batch_normalization(shape):
     `BatchNormalization`'s in a plain model at the large batch, as in
     tests/test_layers.py: one layer on the inputs, one on a dense layer's
     activations, weights held fixed (learning rate 0)."""
-
-    def build(model_cls, norm_cls, **kwargs):
-        keras.utils.set_random_seed(3)
-        inputs = keras.Input(shape)
-        normalized = keras.layers.Flatten()(norm_cls(momentum=0.5)(inputs))
-        hidden = keras.layers.Dense(6, activation="tanh")(
-            keras.layers.Flatten()(inputs)
-        )
-        hidden = norm_cls(momentum=0.8)(hidden)
-        x = keras.layers.Concatenate()([normalized, hidden])
-        model = model_cls(inputs, keras.layers.Dense(1)(x), **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-        return model
-
-    rng = np.random.default_rng(0)
-    x = 3.0 + rng.normal(size=(70, *shape)) * np.arange(1, shape[-1] + 1)
-    x = x.astype("float32")
-    y = rng.normal(size=(70, 1)).astype("float32")
-    plain = build(keras.Model, keras.layers.BatchNormalization)
-    accum = build(
+    x, y = batch_norm_data(shape)
+    plain = batch_norm_model(
+        keras.Model, keras.layers.BatchNormalization, shape
+    )
+    accum = batch_norm_model(
         keras_accum.AccumModel,
         keras_accum.AccumBatchNormalization,
+        shape,
         accum_steps=K,
     )
     # The layer has window weights besides BatchNormalization's.

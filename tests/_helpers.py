@@ -34,6 +34,35 @@ def classification_data(n=70, features=6, classes=4, seed=0):
     return x, y.astype("int32")
 
 
+def batch_norm_data(shape, n=70, seed=0):
+    rng = np.random.default_rng(seed)
+    # Far from the initial moving statistics (0 and 1), unevenly scaled.
+    x = 3.0 + rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1)
+    y = rng.normal(size=(n, 1))
+    return x.astype("float32"), y.astype("float32")
+
+
+def batch_norm_model(model_cls, norm_cls, shape, **kwargs):
+    """Two `norm_cls` layers: on the inputs, and on a dense layer's
+    activations; compiled with learning rate 0."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape)
+    normalized = keras.layers.Flatten()(norm_cls(momentum=0.5)(inputs))
+    # The second one is not after the first: micro-batch normalization
+    # would change its inputs (see the layer's docstring).
+    hidden = keras.layers.Dense(6, activation="tanh")(
+        keras.layers.Flatten()(inputs)
+    )
+    hidden = norm_cls(momentum=0.8)(hidden)
+    x = keras.layers.Concatenate()([normalized, hidden])
+    outputs = keras.layers.Dense(1)(x)
+    model = model_cls(inputs, outputs, **kwargs)
+    # Weights fixed, so the second layer's inputs are too: the moving
+    # statistics can then be compared exactly.
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
 def mlp(model_cls=keras.Model, features=5, outputs=3, seed=1, **kwargs):
     """A small MLP, identical weights for the same `seed`."""
     keras.utils.set_random_seed(seed)

@@ -3,38 +3,11 @@
 import keras
 import numpy as np
 import pytest
+from _helpers import batch_norm_data, batch_norm_model
 
 import keras_accum
 
 B, K = 8, 4
-
-
-def _data(shape, n=70, seed=0):
-    rng = np.random.default_rng(seed)
-    # Far from the initial moving statistics (0 and 1), unevenly scaled.
-    x = 3.0 + rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1)
-    y = rng.normal(size=(n, 1))
-    return x.astype("float32"), y.astype("float32")
-
-
-def _model(model_cls, norm_cls, shape, **kwargs):
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input(shape)
-    normalized = keras.layers.Flatten()(norm_cls(momentum=0.5)(inputs))
-    # A second one on activations of a layer's weights. Not after the
-    # first: micro-batch normalization would change its inputs (see the
-    # layer's docstring).
-    hidden = keras.layers.Dense(6, activation="tanh")(
-        keras.layers.Flatten()(inputs)
-    )
-    hidden = norm_cls(momentum=0.8)(hidden)
-    x = keras.layers.Concatenate()([normalized, hidden])
-    outputs = keras.layers.Dense(1)(x)
-    model = model_cls(inputs, outputs, **kwargs)
-    # Weights fixed, so the second layer's inputs are too: the moving
-    # statistics can then be compared exactly.
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-    return model
 
 
 def _moving_statistics(model):
@@ -47,9 +20,11 @@ def _moving_statistics(model):
 
 @pytest.mark.parametrize("shape", [(4,), (5, 5, 3)], ids=["dense", "image"])
 def test_moving_statistics_equal_the_large_batch(shape, report_diff):
-    x, y = _data(shape)
-    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
-    accum = _model(
+    x, y = batch_norm_data(shape)
+    plain = batch_norm_model(
+        keras.Model, keras.layers.BatchNormalization, shape
+    )
+    accum = batch_norm_model(
         keras_accum.AccumModel,
         keras_accum.AccumBatchNormalization,
         shape,
@@ -75,9 +50,11 @@ def test_moving_statistics_equal_the_large_batch(shape, report_diff):
 def test_plain_batch_normalization_updates_per_micro_batch():
     # What the opt-in fixes: Keras's layer moves once per micro-batch.
     shape = (4,)
-    x, y = _data(shape)
-    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
-    accum = _model(
+    x, y = batch_norm_data(shape)
+    plain = batch_norm_model(
+        keras.Model, keras.layers.BatchNormalization, shape
+    )
+    accum = batch_norm_model(
         keras_accum.AccumModel,
         keras.layers.BatchNormalization,
         shape,
@@ -92,9 +69,13 @@ def test_plain_batch_normalization_updates_per_micro_batch():
 
 def test_outside_an_accum_model_it_is_batch_normalization():
     shape = (4,)
-    x, y = _data(shape)
-    plain = _model(keras.Model, keras.layers.BatchNormalization, shape)
-    other = _model(keras.Model, keras_accum.AccumBatchNormalization, shape)
+    x, y = batch_norm_data(shape)
+    plain = batch_norm_model(
+        keras.Model, keras.layers.BatchNormalization, shape
+    )
+    other = batch_norm_model(
+        keras.Model, keras_accum.AccumBatchNormalization, shape
+    )
     plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     other.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     for (pm, pv), (om, ov) in zip(
@@ -109,9 +90,9 @@ def test_outside_an_accum_model_it_is_batch_normalization():
 
 def test_open_window_statistics_survive_save_and_load(tmp_path):
     shape = (4,)
-    x, y = _data(shape, n=40)
+    x, y = batch_norm_data(shape, n=40)
     # 5 micro-batches, windows of 4, carried: one micro-batch stays open.
-    reference = _model(
+    reference = batch_norm_model(
         keras_accum.AccumModel,
         keras_accum.AccumBatchNormalization,
         shape,
@@ -129,7 +110,7 @@ def test_open_window_statistics_survive_save_and_load(tmp_path):
     ]
     assert len(norms) == 2
     assert all(float(layer.window_count.numpy()) > 0 for layer in norms)
-    more_x, more_y = _data(shape, n=24, seed=1)
+    more_x, more_y = batch_norm_data(shape, n=24, seed=1)
     for model in (reference, loaded):
         model.fit(more_x, more_y, batch_size=B, shuffle=False, verbose=0)
     for (rm, rv), (lm, lv) in zip(
