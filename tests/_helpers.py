@@ -197,14 +197,8 @@ def numpy_weights(model, seed=1):
     )
 
 
-def log_pseudo_batches(model, x, y, batch_size):
-    """Adam, 2 epochs with `PseudoBatchLogger()`; what it logged, for JSON.
-
-    What both backends run to compare their pseudo-batch losses.
-    """
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    logger = keras_accum.PseudoBatchLogger()
-    history = model.fit(
+def _fit_two_epochs(model, x, y, batch_size, logger):
+    return model.fit(
         x,
         y,
         batch_size=batch_size,
@@ -213,6 +207,16 @@ def log_pseudo_batches(model, x, y, batch_size):
         verbose=0,
         callbacks=[logger],
     )
+
+
+def log_pseudo_batches(model, x, y, batch_size):
+    """Adam, 2 epochs with `PseudoBatchLogger()`; what it logged, for JSON.
+
+    What both backends run to compare their pseudo-batch losses.
+    """
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    history = _fit_two_epochs(model, x, y, batch_size, logger)
     return {
         "updates": [
             [u.update, u.loss, u.samples, u.micro_batches]
@@ -233,15 +237,7 @@ def log_noise_scale(model, x, y, batch_size):
     logger = keras_accum.PseudoBatchLogger(
         noise_scale=True, noise_scale_every=2
     )
-    history = model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[logger],
-    )
+    history = _fit_two_epochs(model, x, y, batch_size, logger)
 
     def number(value):
         return None if np.isnan(value) else float(value)
