@@ -147,15 +147,11 @@ class WindowState(SavedWindow):
         have (an accumulation schedule of the update count); otherwise
         `target_length` is.
         """
-        # On input of unknown length, `fit` ends an epoch with a call that
-        # finds the data exhausted. Its ops that read no data (the counter
-        # increments) would still run and count a micro-batch that never
-        # came, closing a carried window one micro-batch early: everything
-        # here waits for the micro-batch.
-        with tf.control_dependencies([samples]):
-            self._add_micro_batch(
-                grads, weight, normalizer, loss, samples, scheduled
-            )
+        # (The step runs this under control dependencies on the micro-batch,
+        # its loss and its gradients: see `AccumModel.train_step`.)
+        self._add_micro_batch(
+            grads, weight, normalizer, loss, samples, scheduled
+        )
 
     def _add_micro_batch(
         self, grads, weight, normalizer, loss, samples, scheduled
@@ -344,10 +340,8 @@ class WindowState(SavedWindow):
             lambda: _apply_gradients(optimizer, grads, variables, none_grads),
             _nothing,
         )
-        # Not for a call that found the data exhausted (see `accumulate`).
-        with tf.control_dependencies([samples]):
-            self.epoch_step.assign_add(1)
-            self.window_length.assign(1)
+        self.epoch_step.assign_add(1)
+        self.window_length.assign(1)
         # One micro-batch: no noise-scale estimate (it needs two).
         self._finish(totals, finite, go, optimizer, micro_steps=1)
         return None

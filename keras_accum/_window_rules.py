@@ -347,11 +347,16 @@ def micro_batch_count(normalizer, samples):
 def window_divisor(normalizer_total):
     """What the window's sum is divided by at the update.
 
-    Sum reductions add no normaliser: their window is the plain sum. So is
-    a window whose sample weights are all zero (its sum is zero).
+    The window's normaliser total, whatever its sign: Keras divides a
+    `"mean_with_sample_weight"` batch by its weight total, negative ones
+    included. Sum reductions add no normaliser: their window is the plain
+    sum. So is a window whose sample weights are all zero (its sum is zero,
+    as Keras's `divide_no_nan` makes the large batch's loss).
     """
     return ops.where(
-        normalizer_total > 0, normalizer_total, ops.ones_like(normalizer_total)
+        normalizer_total != 0,
+        normalizer_total,
+        ops.ones_like(normalizer_total),
     )
 
 

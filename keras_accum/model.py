@@ -401,6 +401,19 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
 
     # -- Compile, fit, evaluate ---------------------------------------------
 
+    def make_train_function(self, force: bool = False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        _check_custom_train_step(self)
+        # Set when the traced (or eager) step reaches `AccumModel.train_step`.
+        self._window_stepped = False
+        super().make_train_function(force=force)
+        if _BACKEND == "tensorflow":
+            self.train_function = _checked_train_function(
+                self, self.train_function
+            )
+        return self.train_function
+
     def compile(self, *args: Any, **kwargs: Any) -> None:
         super().compile(*args, **kwargs)
         optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
@@ -616,6 +629,7 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         window = self._window_for_step()
+        self._window_stepped = True
 
         # Forward pass under the tape.
         with tf.GradientTape() as tape:
@@ -658,6 +672,44 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         gradients = tape.gradient(objective, trainable_weights)
         none_grads = self._window_none_grads = [g is None for g in gradients]
 
+        # The window's writes wait for the micro-batch, its loss and every
+        # gradient. Without that, ops that read no data (counters, a
+        # constant batch size) still run when the step fails: on the call
+        # that finds an input of unknown length exhausted, or on an error
+        # in the forward pass, they would count a micro-batch whose
+        # gradient never entered the window.
+        ready = [
+            t
+            for t in tf.nest.flatten(data, expand_composites=True)
+            if tf.is_tensor(t)
+        ]
+        ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
+        with tf.control_dependencies(ready):
+            self._add_to_window(
+                window,
+                gradients,
+                none_grads,
+                weight,
+                normalizer,
+                window_loss_term,
+                batch_size,
+            )
+        return self._logs_for_strategy(
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        )
+
+    def _add_to_window(
+        self,
+        window,
+        gradients,
+        none_grads,
+        weight,
+        normalizer,
+        window_loss_term,
+        batch_size,
+    ):
+        """Adds a micro-batch to the window and applies a complete one."""
+        trainable_weights = self.trainable_weights
         scheduled = self._scheduled_length(self.optimizer.iterations)
 
         def accumulate_then_maybe_apply():
@@ -699,10 +751,6 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
             )
         else:
             accumulate_then_maybe_apply()
-
-        return self._logs_for_strategy(
-            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        )
 
     def _scheduled_length(self, updates):
         """The callable schedule's window length for `updates`, in the step.
@@ -943,6 +991,59 @@ def _element_spec(iterator):
         return adapter.get_tf_dataset().element_spec
     except Exception:  # noqa: BLE001
         return None
+
+
+def _check_custom_train_step(model) -> None:
+    """Refuses a custom `train_step` where the step would never run it.
+
+    The JAX and PyTorch steps are their trainers' own functions, and
+    `AccumModel.train_step` is TensorFlow's: an override there would be
+    silently ignored, or fail inside `super().train_step`.
+    """
+    if _BACKEND == "tensorflow":
+        return
+    if type(model).train_step is not AccumModel.train_step:
+        raise _backend_support.unsupported(
+            "A custom `train_step` on an `AccumModel`",
+            f"{type(model).__name__}.train_step",
+        )
+
+
+def _checked_train_function(model, function):
+    """`function`, failing loudly if its step bypassed the window.
+
+    A subclass whose `train_step` never calls `super().train_step(data)`
+    (e.g. a GAN with its own optimizers) applies its optimizer on every
+    micro-batch: training would go on with no accumulation at all.
+    """
+
+    def train_function(iterator):
+        logs = function(iterator)
+        # With one micro-batch per window, a plain step is what
+        # `keras.Model` runs: a drop-in with a custom step stays one.
+        if not model._window_stepped and model.accum_steps != 1:
+            updates = 0
+            if getattr(model, "optimizer", None) is not None:
+                updates = read_int(model.optimizer.iterations)
+            raise RuntimeError(
+                f"`{type(model).__name__}.train_step` does not call "
+                "`super().train_step(data)`, so it never reaches the "
+                f"accumulation window: with accum_steps={model.accum_steps!r} "
+                "it would update the weights on every micro-batch, without "
+                f"accumulating ({updates} optimizer update(s) so far). Call "
+                "`super().train_step(data)` from a custom `train_step` (and "
+                "change only what surrounds it), or subclass `keras.Model` "
+                "for a step that updates on every batch, such as a GAN "
+                "with its own optimizers."
+            )
+        return logs
+
+    return train_function
+
+
+def _dense_part(gradient):
+    # `IndexedSlices` (embeddings) are no tensor; their values are.
+    return getattr(gradient, "values", gradient)
 
 
 def _single(sample_weight):
