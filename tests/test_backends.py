@@ -8,7 +8,10 @@ measured as JSON; the tests here assert on it.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import keras
 import numpy as np
@@ -405,3 +408,87 @@ def test_saved_model_loads_and_trains_on_tensorflow(backend, workers, exchange):
     )
     continued = continue_one_epoch(loaded, x, y, BATCH)
     assert _max_diff(continued, case["saved_continued"]) < 1e-6
+
+
+# -- Test modules written for every backend ------------------------------------
+
+# Modules that use only `keras`, `keras.ops` and numpy: this session runs
+# them on TensorFlow, and here each runs again under JAX and PyTorch, in one
+# pytest process per backend whose JUnit report the tests below read.
+EVERY_BACKEND_MODULES = ("test_divergence.py",)
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory):
+    """`cases(backend)`: `{(module, test): (outcome, message)}`."""
+    reports = {}
+
+    def cases(backend):
+        if backend not in reports:
+            report = tmp_path_factory.mktemp(f"junit_{backend}") / "r.xml"
+            tests = Path(__file__).parent
+            env = {
+                **os.environ,
+                "KERAS_BACKEND": backend,
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+                "JAX_PLATFORMS": "cpu",
+                "CUDA_VISIBLE_DEVICES": "",
+            }
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--junitxml={report}",
+                    *(str(tests / module) for module in EVERY_BACKEND_MODULES),
+                ],
+                cwd=tests.parent,
+                env=env,
+                capture_output=True,
+                timeout=1200,
+                check=False,
+            )
+            reports[backend] = _junit_cases(report)
+        return reports[backend]
+
+    return cases
+
+
+def _junit_cases(path):
+    results = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        module = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = child.tag
+                message = (
+                    (child.get("message") or "")
+                    + "\n"
+                    + (child.text or "")[-2000:]
+                )
+        results[(module, case.get("name"))] = (outcome, message)
+    return results
+
+
+@pytest.mark.parametrize("module", EVERY_BACKEND_MODULES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_passes_on_backend(backend, module, module_runs):
+    cases = {
+        test: result
+        for (name, test), result in module_runs(backend).items()
+        if name == module
+    }
+    assert cases, f"no test of {module} ran on {backend}"
+    failed = {
+        test: message
+        for test, (outcome, message) in cases.items()
+        if outcome in ("failure", "error")
+    }
+    assert not failed, "\n\n".join(f"{t}: {m}" for t, m in failed.items())
+    # A skip names a case that does not exist on the backend; never most.
+    skipped = [t for t, (outcome, _) in cases.items() if outcome == "skipped"]
+    assert len(skipped) < len(cases) / 2, skipped
