@@ -985,12 +985,19 @@ def _multi_worker(strategy) -> bool:
 
 
 def _element_spec(iterator):
-    """The element spec of the data behind a Keras epoch iterator, if any."""
-    adapter = getattr(iterator, "data_adapter", None)
-    try:
-        return adapter.get_tf_dataset().element_spec
-    except Exception:  # noqa: BLE001
-        return None
+    """The element spec of the data behind a Keras epoch iterator, if any.
+
+    Read from the dataset that Keras's TensorFlow epoch iterator already
+    made (under a strategy, the one it distributes). A new one from the
+    data adapter (`get_tf_dataset()`) would convert in-memory arrays to
+    tensors again: a transient copy of the whole training data, twice its
+    size at peak.
+    """
+    # Keras 3.15 `TFEpochIterator._distributed_dataset`; TensorFlow's
+    # `DistributedDataset._original_dataset`.
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    dataset = getattr(dataset, "_original_dataset", dataset)
+    return getattr(dataset, "element_spec", None)
 
 
 def _check_custom_train_step(model) -> None:
