@@ -14,6 +14,11 @@ fresh processes; the median is reported.
 
     python benchmarks/bench_memory.py [--write-docs]
     python benchmarks/bench_memory.py --backend=torch   # or jax (CPU RSS)
+    python benchmarks/bench_memory.py --sweep [--backend=jax]
+
+`--sweep` measures what `fit` on in-memory NumPy arrays adds as the data
+grows: the CNN, `Model(32)` and `AccumModel(32, 4)`, for n = 1024, 4096 and
+16384 images (48 to 768 MiB); the growth should not depend on the variant.
 
 Results go to benchmarks/results/memory.json (memory_torch.json, ...). On
 JAX and PyTorch the batches come from a Python generator instead of
@@ -59,16 +64,7 @@ def child(model_name, variant, micro_batch, k, steps):
         outputs = keras.layers.Dense(10)(x)
         shape = (1024,)
     else:
-        inputs = keras.Input((64, 64, 3))
-        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(
-            inputs
-        )
-        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Conv2D(128, 3, padding="same", activation="relu")(x)
-        x = keras.layers.GlobalAveragePooling2D()(x)
-        outputs = keras.layers.Dense(10)(x)
-        shape = (64, 64, 3)
+        inputs, outputs, shape = _cnn(keras)
     model = compiled(inputs, outputs, variant, k, jit_compile=False)
     batch = micro_batch * (k if variant == "large" else 1)
     rng = np.random.default_rng(0)
@@ -105,6 +101,97 @@ def child(model_name, variant, micro_batch, k, steps):
     }
 
 
+def _cnn(keras):
+    inputs = keras.Input((64, 64, 3))
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(128, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return inputs, keras.layers.Dense(10)(x), (64, 64, 3)
+
+
+def sweep_child(variant, samples):
+    """Peak resident-set growth of `fit` on `samples` in-memory images."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _variants import compiled
+
+    keras.utils.set_random_seed(0)
+    inputs, outputs, shape = _cnn(keras)
+    model = compiled(inputs, outputs, variant, SWEEP_K, jit_compile=False)
+    rng = np.random.default_rng(0)
+    x = rng.random((samples, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    before = _read_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Resets VmHWM, the peak resident set, to now.
+    model.fit(x, y, batch_size=32, steps_per_epoch=2 * SWEEP_K, verbose=0)
+    return {
+        "peak_bytes": _read_status("VmHWM") - before,
+        "data_bytes": x.nbytes + y.nbytes,
+    }
+
+
+SWEEP_K = 4
+SWEEP_SAMPLES = (1024, 4096, 16384)
+
+
+def _run_child(args, backend):
+    out = subprocess.run(
+        [sys.executable, __file__, *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+        env={**os.environ, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sweep(args):
+    """Runs the dataset-size sweep; writes memory_sweep[_backend].json."""
+    rows = []
+    for samples in SWEEP_SAMPLES:
+        for variant in ("plain", "accum"):
+            runs = [
+                _run_child(["--sweep-child", variant, samples], args.backend)
+                for _ in range(args.repeats)
+            ]
+            peaks = [r["peak_bytes"] for r in runs]
+            row = {
+                "variant": variant,
+                "k": SWEEP_K if variant == "accum" else 1,
+                "samples": samples,
+                "data_bytes": runs[0]["data_bytes"],
+                "peak_bytes": statistics.median(peaks),
+                "peak_bytes_min": min(peaks),
+                "peak_bytes_max": max(peaks),
+            }
+            rows.append(row)
+            print(
+                f"n={samples:<6} data {row['data_bytes'] / 2**20:6.0f} MiB "
+                f"{variant:<6} peak growth {row['peak_bytes'] / 2**20:7.1f} "
+                f"MiB ({min(peaks) / 2**20:.0f}-{max(peaks) / 2**20:.0f})",
+                flush=True,
+            )
+    suffix = "" if args.backend == "tensorflow" else f"_{args.backend}"
+    out = ROOT / f"benchmarks/results/memory_sweep{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"backend": args.backend, "repeats": args.repeats, "rows": rows},
+            indent=1,
+        )
+    )
+    print(f"wrote {out}")
+    return 0
+
+
 def _other_backend_child(model, x, y, steps, params):
     """Peak resident-set growth during `fit` on JAX or PyTorch (CPU)."""
 
@@ -139,6 +226,12 @@ def main(argv=None):
     parser.add_argument(
         "--child", nargs=4, metavar=("MODEL", "VARIANT", "B", "K")
     )
+    parser.add_argument("--sweep-child", nargs=2, metavar=("VARIANT", "N"))
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="fit on in-memory arrays of growing size instead",
+    )
     parser.add_argument("--models", default="wide_mlp,cnn")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -160,6 +253,12 @@ def main(argv=None):
             args.out = str(
                 ROOT / f"benchmarks/results/memory_{args.backend}.json"
             )
+    if args.sweep_child:
+        variant, samples = args.sweep_child
+        print(json.dumps(sweep_child(variant, int(samples))))
+        return 0
+    if args.sweep:
+        return sweep(args)
     if args.child:
         name, variant, b, k = args.child
         print(json.dumps(child(name, variant, int(b), int(k), args.steps)))

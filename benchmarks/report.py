@@ -67,6 +67,48 @@ def memory_table(result):
     return "\n".join(lines)
 
 
+def sweep_table(results):
+    """The dataset-size sweep, one column pair per backend measured."""
+    backends = [r["backend"] for r in results]
+    header = " | ".join(
+        f"{b}: Model(B) | {b}: AccumModel(B, k)" for b in backends
+    )
+    lines = [
+        f"Median of {results[0]['repeats']} fresh processes; CPU; the CNN "
+        "at B = 32, k = 4, `fit` on in-memory NumPy arrays of n images. "
+        "Growth of the peak resident set during `fit`, MiB (min–max).",
+        "",
+        f"| n | data (MiB) | {header} |",
+        "| ---: | ---: |" + " ---: |" * (2 * len(backends)),
+    ]
+    mib = 2**20
+    by = {
+        (r["backend"], row["samples"], row["variant"]): row
+        for r in results
+        for row in r["rows"]
+    }
+    for n in sorted({row["samples"] for r in results for row in r["rows"]}):
+        cells = []
+        for b in backends:
+            for variant in ("plain", "accum"):
+                row = by.get((b, n, variant))
+                cells.append(
+                    "–"
+                    if row is None
+                    else f"{row['peak_bytes'] / mib:.0f} "
+                    f"({row['peak_bytes_min'] / mib:.0f}–"
+                    f"{row['peak_bytes_max'] / mib:.0f})"
+                )
+        data = next(
+            row["data_bytes"]
+            for r in results
+            for row in r["rows"]
+            if row["samples"] == n
+        )
+        lines.append(f"| {n} | {data / mib:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(result, path):
     import matplotlib
 
@@ -142,6 +184,18 @@ def write_docs(root: Path):
             "### Peak memory",
             "",
             memory_table(json.loads(mem.read_text())),
+            "",
+        ]
+    sweeps = [
+        json.loads(path.read_text())
+        for name in ("", "_jax", "_torch")
+        if (path := results / f"memory_sweep{name}.json").exists()
+    ]
+    if sweeps:
+        parts += [
+            "### Peak memory against the size of in-memory data",
+            "",
+            sweep_table(sweeps),
             "",
         ]
     page = root / "docs" / "benchmarks.md"

@@ -107,3 +107,25 @@ def test_memory_child_on_torch_smoke():
     assert row["peak_bytes"] > 0
     assert row["param_bytes"] == 455464  # The CNN's float32 weights.
     assert "tensor_peak_bytes" not in row  # TensorFlow's allocator only.
+
+
+def test_memory_sweep_child_smoke():
+    # One measured process of `bench_memory.py --sweep`: fit on arrays.
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_memory.py"),
+            "--sweep-child",
+            "accum",
+            "64",
+        ],
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["data_bytes"] == 64 * 64 * 64 * 3 * 4 + 64 * 4
+    assert row["peak_bytes"] > 0
