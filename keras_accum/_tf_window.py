@@ -222,15 +222,11 @@ class WindowState(SavedWindow):
             self.acc_grad_sq.assign_add(
                 squares / _window_rules.micro_batch_count(normalizer, samples)
             )
-        # The counters move only once the accumulators hold the micro-batch
-        # (a read of a variable follows its writes): a step that fails on
-        # the way, in its backward pass, leaves the window as it was.
-        with tf.control_dependencies([acc.value for acc, _ in pairs]):
-            self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
-            self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
-            self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
-            self.mini_step.assign_add(1)
-            self.epoch_step.assign_add(1)
+        self.acc_normalizer.assign_add(tf.cast(normalizer, ACC_DTYPE))
+        self.acc_loss.assign_add(tf.cast(loss, ACC_DTYPE))
+        self.acc_samples.assign_add(tf.cast(samples, ACC_DTYPE))
+        self.mini_step.assign_add(1)
+        self.epoch_step.assign_add(1)
 
     def window_is_complete(self, close_at_epoch_end):
         return _window_rules.is_complete(self._values(), close_at_epoch_end)
@@ -344,9 +340,8 @@ class WindowState(SavedWindow):
             lambda: _apply_gradients(optimizer, grads, variables, none_grads),
             _nothing,
         )
-        with tf.control_dependencies(dense):
-            self.epoch_step.assign_add(1)
-            self.window_length.assign(1)
+        self.epoch_step.assign_add(1)
+        self.window_length.assign(1)
         # One micro-batch: no noise-scale estimate (it needs two).
         self._finish(totals, finite, go, optimizer, micro_steps=1)
         return None

@@ -672,20 +672,19 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         gradients = tape.gradient(objective, trainable_weights)
         none_grads = self._window_none_grads = [g is None for g in gradients]
 
-        # The window's writes wait for the micro-batch and its loss (and its
-        # counters for the accumulators, see `WindowState.accumulate`).
-        # Without that, ops that read no data (counters, a constant batch
-        # size) still run when the step fails: on the call that finds an
-        # input of unknown length exhausted, or on an error in the forward
-        # pass, they would count a micro-batch whose gradient never entered
-        # the window. Not on every gradient: each accumulator write waits
-        # for its own, so accumulating overlaps the backward pass.
+        # The window's writes wait for the micro-batch, its loss and every
+        # gradient. Without that, ops that read no data (counters, a
+        # constant batch size) still run when the step fails: on the call
+        # that finds an input of unknown length exhausted, or on an error
+        # in the forward pass, they would count a micro-batch whose
+        # gradient never entered the window.
         ready = [
             t
             for t in tf.nest.flatten(data, expand_composites=True)
             if tf.is_tensor(t)
         ]
-        with tf.control_dependencies([*ready, loss]):
+        ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
+        with tf.control_dependencies(ready):
             self._add_to_window(
                 window,
                 gradients,
@@ -1047,6 +1046,11 @@ def _checked_train_function(model, function):
         return logs
 
     return train_function
+
+
+def _dense_part(gradient):
+    # `IndexedSlices` (embeddings) are no tensor; their values are.
+    return getattr(gradient, "values", gradient)
 
 
 def _single(sample_weight):
