@@ -35,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_throughput as bt  # noqa: E402  (sets the backend and log level)
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import bench_throughput as bt
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 
 def _quartiles(values):

@@ -38,14 +38,14 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _variants import MODELS, compiled  # noqa: E402
+from _variants import MODELS, compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 

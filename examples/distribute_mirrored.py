@@ -13,7 +13,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 if not tf.config.list_physical_devices("GPU"):
     # Before TensorFlow starts: two logical CPU devices stand in for GPUs.
@@ -22,10 +22,10 @@ if not tf.config.list_physical_devices("GPU"):
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 
 def build(model_cls, **kwargs):

@@ -34,10 +34,10 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 SEED = 1234
 LEARNING_RATES = {"sgd": 1e-2, "adam": 1e-3}
@@ -102,7 +102,7 @@ def load_mnist(n_train, n_test, data_dir):
         # A data directory named by the user is read, never downloaded
         # into: offline runs fail fast instead of waiting on the network.
         train, test = tfds.load("mnist", download=data_dir is None, **kwargs)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001 (any failure: one message)
         if data_dir:
             problem = f"MNIST is not prepared in {data_dir}"
         else:

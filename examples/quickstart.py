@@ -13,10 +13,10 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 
 def make_data(n=4000, features=32, classes=5, seed=0):

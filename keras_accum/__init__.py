@@ -1,5 +1,7 @@
 """Gradient accumulation for Keras 3 that equals large-batch training."""
 
+# First: it warns when this Keras is outside the tested range.
+from keras_accum import _compat  # noqa: F401
 from keras_accum.callbacks import PseudoBatch, PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
 from keras_accum.model import AccumModel

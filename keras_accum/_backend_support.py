@@ -10,7 +10,8 @@ calls the step another way. (PyTorch has no `keras.distribution` in Keras
 from __future__ import annotations
 
 import keras
-from keras.src.backend.config import is_nnx_enabled
+
+from keras_accum._compat import is_nnx_enabled
 
 
 def unsupported(feature: str, received: str) -> NotImplementedError:

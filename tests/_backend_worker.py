@@ -25,11 +25,11 @@ import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _helpers import (  # noqa: E402
+from _helpers import (
     UpdateRecorder,
     accum_mlp,
     batch_norm_data,
@@ -46,7 +46,7 @@ from _helpers import (  # noqa: E402
     train_to_an_open_window,
 )
 
-import keras_accum  # noqa: E402
+import keras_accum
 
 # Before any case runs: on JAX and PyTorch neither Keras nor the package
 # imports TensorFlow.
@@ -586,7 +586,7 @@ def refusal(name, build):
     """Runs `build`; reports the error an unsupported feature raised."""
     try:
         build()
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001 (the refusal is the result)
         return {
             "case": name,
             "error": type(error).__name__,

@@ -74,7 +74,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path, report_diff):
                 "task": {"type": "worker", "index": index},
             }
             out = tmp_path / f"worker{index}.json"
-            log = open(tmp_path / f"worker{index}.log", "w")  # noqa: SIM115
+            log = open(tmp_path / f"worker{index}.log", "w")
             outputs.append((out, log))
             processes.append(
                 subprocess.Popen(
