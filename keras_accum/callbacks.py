@@ -11,7 +11,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from keras_accum._window_log import LOG_CAPACITY, read_int
+from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
 
 
 class PseudoBatch(NamedTuple):
@@ -60,13 +60,25 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     - `pseudo_batch_loss_mean`: the mean pseudo-batch loss of the epoch's
       updates;
-    - `pseudo_batch_loss_std`: their population standard deviation.
+    - `pseudo_batch_loss_std`: their population standard deviation;
+    - `pseudo_batch_skipped_windows`: windows skipped in the epoch because
+      their gradient was not finite (no update; `model.skipped_windows`
+      counts them over the model's life).
 
-    Both are NaN for an epoch without updates (possible only with
+    The first two are NaN for an epoch without updates (possible only with
     `partial_window="carry"`). The keys are added before any other callback
     sees the epoch's logs, wherever this callback sits in the `callbacks`
     list, so `History`, `CSVLogger`, `TensorBoard`, `EarlyStopping` and the
-    progress bar all receive them.
+    progress bar all receive them. Without this callback the logs hold
+    exactly the keys a `keras.Model` logs.
+
+    Monitoring: `EarlyStopping`, `ModelCheckpoint` and `ReduceLROnPlateau`
+    with `monitor="pseudo_batch_loss_mean"` work in their default
+    `mode="auto"`, which `AccumModel.fit` sets to `"min"` for this key
+    (Keras's own auto mode knows only `"loss"` and compiled metrics). Every
+    other `pseudo_batch_` key needs an explicit `mode="min"` or
+    `mode="max"`; Keras raises a `ValueError` at the first epoch end
+    otherwise.
 
     The per-update series is kept in `updates`, a list of `PseudoBatch`
     `(update, loss, samples)`, across epochs and `fit` calls. With
@@ -193,6 +205,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         self.updates: list[PseudoBatch] = []
         self._read = 0
         self._epoch_start = 0
+        self._skipped_start = 0
         self._batches_since_read = 0
         self._read_every = 1
         self._writer = None
@@ -230,6 +243,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = len(self.updates)
+        self._skipped_start = self.model.skipped_windows
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
@@ -260,6 +274,10 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         else:
             logs["pseudo_batch_loss_mean"] = float("nan")
             logs["pseudo_batch_loss_std"] = float("nan")
+        # `compile()` rebuilds the window state, restarting the count.
+        logs["pseudo_batch_skipped_windows"] = max(
+            0, self.model.skipped_windows - self._skipped_start
+        )
         if self.noise_scale:
             logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
             logs["pseudo_batch_critical_batch_size"] = self.critical_batch_size
@@ -320,12 +338,12 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 f"PseudoBatchLogger missed {first - self._read} updates.",
                 stacklevel=2,
             )
-        losses = window.log_loss.numpy()
-        samples = window.log_samples.numpy()
-        steps = window.log_update.numpy()
-        micro = window.log_micro.numpy()
-        traces = window.log_trace.numpy()
-        grad_sqs = window.log_grad_sq.numpy()
+        losses = read_array(window.log_loss)
+        samples = read_array(window.log_samples)
+        steps = read_array(window.log_update)
+        micro = read_array(window.log_micro)
+        traces = read_array(window.log_trace)
+        grad_sqs = read_array(window.log_grad_sq)
         new = []
         for i in range(first, count):
             slot = i % LOG_CAPACITY

@@ -23,7 +23,7 @@ from keras_accum._validation import (
     check_partial_window,
     steps_for_epoch,
 )
-from keras_accum._window_log import read_int
+from keras_accum._window_log import MINIMIZED_LOG_KEYS, read_int
 from keras_accum.layers import AccumBatchNormalization
 
 _BACKEND = keras.backend.backend()
@@ -75,6 +75,50 @@ def _functional_init_arguments(args, kwargs) -> bool:
         or (len(args) == 1 and "outputs" in kwargs)
         or ("inputs" in kwargs and "outputs" in kwargs)
     )
+
+
+def _inject_functional_accum_class(cls):
+    """Makes the user's subclass `cls` functional, as Keras would.
+
+    Keras's `inject_functional_model_class` rewrites `__bases__` up to
+    `keras.Model`, which here would rewrite `AccumModel` itself, for the
+    whole process. This stops one step earlier: `AccumModel` in the user's
+    class chain becomes `_FunctionalAccumModel`, and neither class is
+    touched.
+    """
+    if cls is AccumModel:
+        return _FunctionalAccumModel
+    if not issubclass(cls, AccumModel) or issubclass(cls, Functional):
+        # Mixins and chains already functional stay as they are.
+        return cls
+    cls.__bases__ = tuple(
+        _inject_functional_accum_class(base) for base in cls.__bases__
+    )
+    return cls
+
+
+def _cloning_caller(frame) -> bool:
+    # `keras.models.clone_model` rebuilds a functional model inside
+    # `_clone_functional_model`, as `model.__class__(inputs, outputs,
+    # name=...)`: nothing in that call says what the source model was.
+    from keras.src.models import cloning
+
+    clone = getattr(cloning, "_clone_functional_model", None)
+    return frame is not None and frame.f_code is getattr(clone, "__code__", 0)
+
+
+def _clone_source(kwargs):
+    """The `AccumModel` that `clone_model` is cloning, when it is
+    `clone_model` that calls `AccumModel.__new__`, which calls this."""
+    import sys
+
+    if "accum_steps" in kwargs or "partial_window" in kwargs:
+        return None
+    frame = sys._getframe(2)
+    if not _cloning_caller(frame):
+        return None
+    source = frame.f_locals.get("model")
+    return source if isinstance(source, AccumModel) else None
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -131,6 +175,24 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     - an existing built model (e.g. a pretrained one):
       `AccumModel.from_model(model, accum_steps=4)`.
 
+    A subclass may also be called functionally, as with `keras.Model`:
+    `CustomModel(inputs, outputs, accum_steps=4)` for a subclass that only
+    overrides `train_step` (calling `super().train_step(data)`), or a
+    subclass whose `__init__` builds its graph and calls
+    `super().__init__(inputs, outputs, accum_steps=4)` (the KerasHub
+    style). Keras makes such a subclass functional by rewriting its bases;
+    only the subclass's own bases are rewritten, never `AccumModel`'s, so
+    other models in the process are unaffected.
+
+    `keras.models.clone_model(model)` returns a model of the same class
+    with the same `accum_steps` and `partial_window`, and, as for any model
+    it clones, fresh weights: the window starts empty (an open window of
+    `model` is not copied). A subclass whose constructor does not take
+    `(inputs, outputs)` (the KerasHub style) cannot be rebuilt by
+    `clone_model`, which would return a plain `Functional` that does not
+    accumulate; it raises a `TypeError` instead: clone it with
+    `type(model).from_config(model.get_config())`.
+
     Accumulation schedules: `accum_steps` may also be a dict mapping
     epochs to window lengths, e.g. `{0: 1, 3: 4, 6: 16}` (epoch 0 must be
     given; each entry holds until the next), or a callable taking the
@@ -143,6 +205,20 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
     phase (a plain model trained with the phase's large batch). Schedules
     are saved with the model (a callable as Keras serializes functions: a
     registered function, or a lambda loaded with `safe_mode=False`).
+    A callable must return an integer >= 1: it is checked eagerly at the
+    start of `fit`, and a later value below 1 fails the step that reads it
+    with an error naming `accum_steps` and the value (a `ValueError` in an
+    eager step: PyTorch, `run_eagerly=True`, JAX with `jit_compile=False`;
+    TensorFlow's `InvalidArgumentError` in a graph step). A step compiled
+    by XLA (`jit_compile=True` on TensorFlow or JAX, the default on JAX and
+    on TensorFlow with a GPU) cannot raise there: such a value is clamped
+    to 1.
+
+    A window whose gradient is not finite (NaN or inf) applies no update
+    and is counted in `skipped_windows`; an epoch that skipped windows ends
+    with a `UserWarning` (not under a `LossScaleOptimizer`, which skips
+    such a step in plain Keras too). The epoch logs hold the same keys as
+    `keras.Model`'s; `PseudoBatchLogger` adds the per-epoch count.
 
     Args:
         accum_steps: Integer >= 1, a dict `{epoch: steps}` or a callable
@@ -185,7 +261,19 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         # avoids it.
         if cls is AccumModel and _functional_init_arguments(args, kwargs):
             return keras.Model.__new__(_FunctionalAccumModel)
-        return super().__new__(cls, *args, **kwargs)
+        instance = super().__new__(cls, *args, **kwargs)
+        source = _clone_source(kwargs)
+        if source is not None:
+            # `clone_model` passes only `(inputs, outputs, name)`; without
+            # this the clone would train with `accum_steps=1`. Read (and
+            # dropped) by `__init__`; Keras's attribute tracking is not
+            # needed for it.
+            object.__setattr__(
+                instance,
+                "_cloned_settings",
+                (source._accum_steps, source._partial_window),
+            )
+        return instance
 
     def __init__(
         self,
@@ -195,10 +283,23 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         **kwargs: Any,
     ) -> None:
         _require_supported_backend()
+        cloned = self.__dict__.pop("_cloned_settings", None)
+        if cloned is not None:
+            accum_steps, partial_window = cloned
         accum_steps = check_accum_schedule(accum_steps)
         partial_window = check_partial_window(partial_window)
+        if not isinstance(self, Functional) and _functional_init_arguments(
+            args, kwargs
+        ):
+            # A user subclass called with `(inputs, outputs)`, e.g. one that
+            # builds its graph in `__init__`: made functional here, so that
+            # `keras.Model.__init__` never rewrites `AccumModel`'s bases.
+            _inject_functional_accum_class(type(self))
         if isinstance(self, Functional):
-            if kwargs.get("name") is None:
+            if (
+                kwargs.get("name") is None
+                and type(self) is _FunctionalAccumModel
+            ):
                 # Not the private class's name: "accum_model", "accum_model_1".
                 kwargs["name"] = auto_name("AccumModel")
             trainer_module.Trainer.__init__(self)
@@ -354,7 +455,14 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
 
     @property
     def skipped_windows(self) -> int:
-        """Windows not applied because their gradient was not finite."""
+        """Windows not applied because their gradient was not finite.
+
+        Counted over the model's life (from its last `compile()`), like
+        `optimizer.iterations`. Not in the epoch logs, which stay those of
+        `keras.Model`: an epoch that skips windows warns instead, and
+        `PseudoBatchLogger` logs each epoch's count as
+        `pseudo_batch_skipped_windows`.
+        """
         if self._window is None:
             return 0
         return read_int(self._window.skipped_windows)
@@ -767,8 +875,41 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
                 f"accum_steps={self._accum_steps!r} returning shape "
                 f"{length.shape}"
             )
-        # Checked eagerly at the start of `fit`; here a bad value would
-        # otherwise stall the window, so it is at least one.
+        # Checked eagerly at the start of `fit`, but a later update count
+        # may give less than 1. The step fails then wherever it can; a
+        # compiled step that cannot (XLA, a jitted JAX step) clamps to 1,
+        # which beats a window that never closes (documented).
+        message = (
+            "An `accum_steps` callable must return an integer >= 1. "
+            f"Received: accum_steps={self._accum_steps!r} returning "
+        )
+        if _BACKEND == "jax":
+            import jax
+
+            eager = not isinstance(length, jax.core.Tracer)
+        elif _BACKEND == "tensorflow":
+            eager = tf.executing_eagerly()
+        else:  # PyTorch's step is eager.
+            eager = True
+        if eager:
+            if int(length) < 1:
+                raise ValueError(
+                    f"{message}{int(length)} at update {int(updates)}"
+                )
+        elif _BACKEND == "tensorflow" and not self.jit_compile:
+            # A graph step. XLA would drop the assertion and has no string
+            # ops: under `jit_compile=True` the clamp holds.
+            text = tf.strings.join(
+                [
+                    message,
+                    tf.strings.as_string(length),
+                    " at update ",
+                    tf.strings.as_string(ops.convert_to_tensor(updates)),
+                ]
+            )
+            check = tf.debugging.Assert(length >= 1, [text])
+            with tf.control_dependencies([check]):
+                length = tf.identity(length)
         return ops.maximum(length, 1)
 
     def _check_schedule(self):
@@ -1058,6 +1199,23 @@ def _single(sample_weight):
     return flat[0] if len(flat) == 1 else None
 
 
+def _set_monitor_modes(callbacks) -> None:
+    """Gives monitors of a minimised `PseudoBatchLogger` key `mode="min"`.
+
+    Keras's `mode="auto"` knows only `"loss"` and compiled metrics, and
+    raises for any other key at the first epoch end. For keys whose
+    direction is certain, `"auto"` then means `"min"`: Keras reads `mode`
+    lazily, at that first epoch end. Other keys keep Keras's error.
+    """
+    for cb in callbacks:
+        if (
+            getattr(cb, "mode", None) == "auto"
+            and getattr(cb, "monitor", None) in MINIMIZED_LOG_KEYS
+            and getattr(cb, "monitor_op", None) is None
+        ):
+            cb.mode = "min"
+
+
 class _WindowEpochs(keras.callbacks.Callback):
     """Tells the compiled step where epochs end; applies leftovers."""
 
@@ -1065,6 +1223,7 @@ class _WindowEpochs(keras.callbacks.Callback):
         super().__init__()
         self._accum_model = model
         self._loggers = []
+        self._skipped_before = 0
 
     def set_loggers(self, callbacks):
         # Callbacks that add to the epoch logs (`PseudoBatchLogger`): run
@@ -1072,6 +1231,7 @@ class _WindowEpochs(keras.callbacks.Callback):
         self._loggers = [
             cb for cb in callbacks if hasattr(cb, "_on_window_epoch_end")
         ]
+        _set_monitor_modes(callbacks)
 
     def on_train_begin(self, logs=None):
         self._accum_model._set_steps_per_epoch(self.params.get("steps"))
@@ -1079,16 +1239,44 @@ class _WindowEpochs(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._accum_model._start_epoch(epoch)
+        self._skipped_before = self._accum_model.skipped_windows
 
     def on_epoch_end(self, epoch, logs=None):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
-        if logs is not None:
-            # Cumulative over the model's life, like `optimizer.iterations`.
-            logs["skipped_windows"] = self._accum_model.skipped_windows
+        self._warn_if_skipped(epoch)
         for logger in self._loggers:
             logger._on_window_epoch_end(logs)
+
+    def _warn_if_skipped(self, epoch):
+        # Not a log key: the default logs stay those of `keras.Model`, so
+        # tooling that reads them sees no difference at `accum_steps=1`.
+        # A skip is a divergence from plain training, though, so it is
+        # never silent.
+        model = self._accum_model
+        total = model.skipped_windows
+        skipped = total - self._skipped_before
+        self._skipped_before = total
+        if skipped <= 0 or isinstance(
+            model.optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            # A loss-scale optimizer skips such a step in plain Keras too
+            # (and lowers its scale), so the window does what it would.
+            return
+        windows = "window" if skipped == 1 else "windows"
+        warnings.warn(
+            f"Epoch {epoch + 1}: AccumModel skipped {skipped} {windows} "
+            "because the accumulated gradient was not finite (NaN or inf): "
+            f"{'it' if skipped == 1 else 'they'} applied no update, where a "
+            "plain `keras.Model` would have written the non-finite "
+            f"gradient into the weights. {total} over the model's life "
+            "(`model.skipped_windows`). Check the data, the loss and the "
+            "learning rate for what produces NaN or inf; "
+            "`PseudoBatchLogger` logs the count per epoch as "
+            "`pseudo_batch_skipped_windows`.",
+            stacklevel=2,
+        )
 
     def on_train_end(self, logs=None):
         self._accum_model._set_steps_per_epoch(0)
@@ -1098,8 +1286,32 @@ class _WindowEpochs(keras.callbacks.Callback):
 class _FunctionalAccumModel(AccumModel, Functional):
     """What `AccumModel(inputs, outputs)` builds: functional and accumulating.
 
-    Not instantiated directly; `isinstance(model, AccumModel)` holds.
+    Not instantiated directly; `isinstance(model, AccumModel)` holds. A user
+    subclass of `AccumModel` called with `(inputs, outputs)` gets it as its
+    base in place of `AccumModel`.
     """
+
+    def _run_through_graph(self, *args, **kwargs):
+        import sys
+
+        from keras.src.models.functional import functional_like_constructor
+
+        cls = type(self)
+        if _cloning_caller(sys._getframe(1)) and not (
+            functional_like_constructor(cls)
+        ):
+            # Keras would go on to return a plain `Functional`, which trains
+            # without accumulation: fail rather than diverge silently.
+            raise TypeError(
+                f"`keras.models.clone_model` cannot rebuild a "
+                f"`{cls.__name__}`: its constructor does not take "
+                "`(inputs, outputs, name)`, so Keras would return a plain "
+                "`Functional` model, which does not accumulate gradients. "
+                "Clone it from its config instead: "
+                f"`{cls.__name__}.from_config(model.get_config())` (fresh "
+                "weights, as `clone_model` gives)."
+            )
+        return super()._run_through_graph(*args, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")

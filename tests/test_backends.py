@@ -415,7 +415,11 @@ def test_saved_model_loads_and_trains_on_tensorflow(backend, workers, exchange):
 # Modules that use only `keras`, `keras.ops` and numpy: this session runs
 # them on TensorFlow, and here each runs again under JAX and PyTorch, in one
 # pytest process per backend whose JUnit report the tests below read.
-EVERY_BACKEND_MODULES = ("test_divergence.py",)
+EVERY_BACKEND_MODULES = (
+    "test_divergence.py",
+    "test_dropin.py",
+    "test_construction.py",
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,295 @@
+"""Ways of constructing an `AccumModel` beyond the three documented ones.
+
+Keras builds a `Model` subclass called with `(inputs, outputs)` by
+rewriting class bases in place, for the whole process; and
+`keras.models.clone_model` rebuilds a functional model through its
+constructor. Both must keep accumulation, and the first must leave
+`AccumModel` itself alone: a test that constructs such a subclass checks,
+in the same process, that the other ways still build, train, save and load.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from _helpers import regression_data, train_pair
+
+from keras_accum import AccumModel
+
+B, K = 5, 4
+_PACKAGE = "keras_accum_construction_tests"
+# What Keras's rewrite used to change; read before any test runs, and
+# compared with what `AccumModel` was written to derive from.
+_ACCUM_BASES = AccumModel.__bases__
+_FUNCTIONAL = keras.src.models.functional.Functional
+
+
+def _dense_graph(hidden=8):
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(hidden, activation="tanh")(inputs)
+    return inputs, keras.layers.Dense(3)(x)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PlainNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AccumNet(AccumModel):
+    """Subclassing style: layers in `__init__`, a `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class CustomModel(AccumModel):
+    """Keras's "customizing what happens in `fit()`" pattern: no
+    `__init__`, a `train_step` that defers to the accumulating one."""
+
+    steps_seen = 0
+
+    def train_step(self, data):
+        # Counted at trace time on graph backends: what matters is that
+        # this override, not only `AccumModel`'s, is the step.
+        type(self).steps_seen += 1
+        return super().train_step(data)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class NoInitModel(AccumModel):
+    """The same pattern where a custom `train_step` is not supported (JAX
+    and PyTorch): what rewrote `AccumModel` is the missing `__init__`."""
+
+
+def _custom_fit_class():
+    if keras.backend.backend() == "tensorflow":
+        return CustomModel
+    return NoInitModel
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Backbone(AccumModel):
+    """KerasHub style: the graph is built in `__init__`, and `get_config`
+    and `from_config` are the class's own (not chained to `Functional`)."""
+
+    def __init__(self, hidden=8, accum_steps=K, **kwargs):
+        inputs, outputs = _dense_graph(hidden)
+        super().__init__(inputs, outputs, accum_steps=accum_steps, **kwargs)
+        self.hidden = hidden
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "hidden": self.hidden,
+            "accum_steps": self.accum_steps,
+            "partial_window": self.partial_window,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def _assert_accum_model_untouched():
+    assert AccumModel.__bases__ == _ACCUM_BASES
+    assert AccumModel.__bases__[-1] is keras.Model
+    assert not issubclass(AccumModel, _FUNCTIONAL)
+    functional = type(AccumModel(*_dense_graph(), accum_steps=2))
+    assert functional.__bases__ == (AccumModel, _FUNCTIONAL)
+
+
+def _built(model, x):
+    model(x[:1])
+    return model
+
+
+def _fit_count_updates(model, x, y):
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    return int(model.optimizer.iterations)
+
+
+def _other_models_still_work(tmp_path):
+    """Every other way of building an `AccumModel`, and a plain subclassed
+    model, builds, trains with accumulation, saves and loads."""
+    x, y = regression_data(n=20)
+    expected_updates = math.ceil(len(x) / B / K)
+    models = {
+        "subclassing": _built(AccumNet(accum_steps=K), x),
+        "from_sequential": AccumModel.from_model(
+            keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+            accum_steps=K,
+        ),
+        "from_subclassed": AccumModel.from_model(
+            _built(PlainNet(), x), accum_steps=K
+        ),
+        "functional": AccumModel(*_dense_graph(), accum_steps=K),
+    }
+    for label, model in models.items():
+        assert _fit_count_updates(model, x, y) == expected_updates, label
+        path = tmp_path / f"{label}.keras"
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        assert type(loaded) is type(model), label
+        assert loaded.accum_steps == K, label
+        for u, v in zip(loaded.get_weights(), model.get_weights(), strict=True):
+            np.testing.assert_array_equal(u, v)
+    plain = _built(PlainNet(), x)
+    plain.save(tmp_path / "plain.keras")
+    loaded = keras.saving.load_model(tmp_path / "plain.keras")
+    assert type(loaded) is PlainNet
+    _assert_accum_model_untouched()
+
+
+def _plain_twin(model):
+    """A plain `keras.Model` with `model`'s graph shape and weights."""
+    plain = keras.Model(*_dense_graph())
+    plain.set_weights(model.get_weights())
+    return plain
+
+
+def _train_against_plain(model):
+    x, y = regression_data()
+    plain = _plain_twin(model)
+    for m in (plain, model):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    diff, _, _ = train_pair(plain, model, x, y, B, K)
+    return diff
+
+
+def test_custom_fit_subclass_accumulates_and_leaves_accum_model_alone(
+    tmp_path, report_diff
+):
+    cls = _custom_fit_class()
+    model = cls(*_dense_graph(), accum_steps=K)
+    _assert_accum_model_untouched()
+    assert isinstance(model, AccumModel)
+    assert model.accum_steps == K
+    CustomModel.steps_seen = 0
+    report_diff(_train_against_plain(model))
+    assert (CustomModel.steps_seen > 0) == (cls is CustomModel)
+    _other_models_still_work(tmp_path)
+
+
+def test_keras_hub_style_subclass_accumulates_saves_and_loads(
+    tmp_path, report_diff
+):
+    model = Backbone()
+    _assert_accum_model_untouched()
+    assert model.accum_steps == K
+    report_diff(_train_against_plain(model))
+    # Then a window left open, to save: 2 micro-batches of 5.
+    model.partial_window = "carry"
+    x, y = regression_data(n=2 * B)
+    model.fit(x, y, batch_size=B, verbose=0)
+    assert model.mini_step == 2
+    model.save(tmp_path / "backbone.keras")
+    loaded = keras.saving.load_model(tmp_path / "backbone.keras")
+    assert type(loaded) is Backbone
+    assert loaded.accum_steps == K
+    assert loaded.partial_window == "carry"
+    # The open window travels with the file.
+    assert loaded.mini_step == 2
+    for u, v in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(u, v)
+    _other_models_still_work(tmp_path)
+
+
+def test_a_subclass_in_both_styles_keeps_them_apart(tmp_path):
+    # Functional use of one subclass must not turn a sibling functional.
+    _custom_fit_class()(*_dense_graph(), accum_steps=K)
+    x, _ = regression_data(n=8)
+    model = _built(AccumNet(accum_steps=K), x)
+    assert not isinstance(model, _FUNCTIONAL)
+    assert not issubclass(AccumNet, _FUNCTIONAL)
+    _assert_accum_model_untouched()
+
+
+def _schedule(updates):
+    return keras.ops.where(updates < 1, 2, K)
+
+
+_CLONE_CASES = {
+    "functional_int": lambda x: AccumModel(
+        *_dense_graph(), accum_steps=K, partial_window="carry"
+    ),
+    "functional_epochs": lambda x: AccumModel(
+        *_dense_graph(), accum_steps={0: K, 5: 2}
+    ),
+    "functional_callable": lambda x: AccumModel(
+        *_dense_graph(), accum_steps=_schedule, partial_window="carry"
+    ),
+    "from_sequential": lambda x: AccumModel.from_model(
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+        accum_steps={0: K, 5: 2},
+        partial_window="carry",
+    ),
+    "from_subclassed": lambda x: AccumModel.from_model(
+        _built(PlainNet(), x), accum_steps=K, partial_window="carry"
+    ),
+    "custom_fit_subclass": lambda x: _custom_fit_class()(
+        *_dense_graph(), accum_steps=K, partial_window="carry"
+    ),
+    "subclassing": lambda x: _built(
+        AccumNet(accum_steps=K, partial_window="carry"), x
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_CLONE_CASES))
+def test_clone_model_keeps_accumulation(kind):
+    x, y = regression_data(n=70)
+    model = _CLONE_CASES[kind](x)
+    # With "carry" the source holds an open window; the clone starts with
+    # none, as it starts with fresh weights.
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x[: B * 3], y[: B * 3], batch_size=B, verbose=0)
+    assert (model.mini_step > 0) == (model.partial_window == "carry")
+    clone = keras.models.clone_model(model)
+    assert type(clone) is type(model)
+    assert isinstance(clone, AccumModel)
+    if callable(model.accum_steps):
+        assert clone.accum_steps is model.accum_steps
+    else:
+        assert clone.accum_steps == model.accum_steps
+    assert clone.partial_window == model.partial_window
+    assert clone.mini_step == 0
+    # 14 micro-batches: 3 updates with 2 micro-batches left open by
+    # "carry", 4 with "apply"; the schedule's first window is 2 long.
+    expected = {"apply": 4, "carry": 3}[model.partial_window]
+    if kind == "functional_callable":
+        expected = 4
+    assert _fit_count_updates(clone, x, y) == expected
+    _assert_accum_model_untouched()
+
+
+def test_cloned_functional_model_trains_like_the_large_batch(report_diff):
+    model = AccumModel(*_dense_graph(), accum_steps=K)
+    clone = keras.models.clone_model(model)
+    report_diff(_train_against_plain(clone))
+
+
+def test_clone_model_of_a_keras_hub_style_subclass_says_how():
+    # Its constructor does not take `(inputs, outputs)`: Keras would
+    # return a plain `Functional`, which would train without accumulating.
+    model = Backbone(accum_steps=3)
+    with pytest.raises(TypeError, match=r"Backbone\.from_config"):
+        keras.models.clone_model(model)
+    clone = Backbone.from_config(model.get_config())
+    assert type(clone) is Backbone
+    assert clone.accum_steps == 3
