@@ -316,6 +316,10 @@ class WindowState(SavedWindow):
         accumulator traffic: what `accum_steps=1` costs a plain step is the
         finiteness check and the published loss.
         """
+        # What the accumulators would hold: an embedding's repeated rows
+        # summed (see `_true_gradient`). Checked after summing, so a sum
+        # that overflows is caught as the accumulated window's would be.
+        grads = [None if g is None else _true_gradient(g) for g in grads]
         dense = [
             g.values if isinstance(g, tf.IndexedSlices) else g
             for g in grads
@@ -515,6 +519,29 @@ def _apply_gradients(optimizer, grads, variables, none_grads):
         None if none else g for g, none in zip(grads, none_grads, strict=True)
     ]
     optimizer.apply(grads, variables)
+
+
+def _true_gradient(grad):
+    """`grad` with an `IndexedSlices`' repeated rows summed, still sparse.
+
+    An `Embedding`'s gradient holds one row per token occurrence. Keras's
+    TensorFlow optimizers (Adam, RMSprop, Adagrad, Ftrl, clipping, ...)
+    square or clip those rows before the repeats are summed, which is not
+    the gradient's square; with each row once, every Keras optimizer's
+    sparse update equals its dense one. Across several replicas the
+    optimizer's all-reduce concatenates the replicas' rows, repeating
+    them again, so there it becomes dense, as an accumulator is.
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        return tf.convert_to_tensor(grad)
+    indices, positions = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(
+        grad.values, positions, tf.shape(indices)[0]
+    )
+    return tf.IndexedSlices(values, indices, grad.dense_shape)
 
 
 def _clip_across_replicas(optimizer, grads):

@@ -419,6 +419,7 @@ EVERY_BACKEND_MODULES = (
     "test_divergence.py",
     "test_dropin.py",
     "test_construction.py",
+    "test_embeddings.py",
 )
 
 

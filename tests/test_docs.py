@@ -53,6 +53,7 @@ def test_every_page_exists_with_content(site):
         "guides/robustness/index.html",
         "guides/distributed/index.html",
         "guides/batch-dependent-layers/index.html",
+        "guides/embeddings/index.html",
         "guides/pseudo-batch-logger/index.html",
         "guides/schedules/index.html",
         "guides/noise-scale/index.html",
@@ -66,6 +67,8 @@ def test_every_page_exists_with_content(site):
     for page, code in [
         ("getting-started/index.html", "build(keras_accum.AccumModel"),
         ("guides/distributed/index.html", "MirroredStrategy([d.name"),
+        ("guides/embeddings/index.html", "values=tf.ones((2, 2))"),
+        ("guides/embeddings/index.html", "class DenseGradientModel"),
     ]:
         text = html.unescape(re.sub(r"<[^>]+>", "", (site / page).read_text()))
         assert code in text, page

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,3 +83,18 @@ def test_distribute_mirrored_example():
     assert "replicas: 2" in result.stdout
     diff = float(result.stdout.split("one device:")[1].split()[0])
     assert diff < 1e-5
+
+
+def test_sparse_adam_repro_shows_keras_sparse_and_dense_steps_differ():
+    result = run_example("sparse_adam_repro.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {
+        line.split(":")[0]: [float(v) for v in line.split("[")[1][:-1].split()]
+        for line in result.stdout.splitlines()
+        if line.startswith(("sparse:", "dense:"))
+    }
+    # Adam's first step from zeros is lr * m_hat / sqrt(v_hat) with the
+    # gradient 2: m_hat = 2 either way; v_hat = 2 * 1**2 when each
+    # occurrence is squared, 2**2 when the repeats are summed first.
+    np.testing.assert_allclose(rows["sparse"], -0.1 * 2 / np.sqrt(2), rtol=1e-4)
+    np.testing.assert_allclose(rows["dense"], -0.1 * 2 / np.sqrt(4), rtol=1e-4)
