@@ -180,16 +180,21 @@ def sweep(args):
                 flush=True,
             )
     suffix = "" if args.backend == "tensorflow" else f"_{args.backend}"
-    out = ROOT / f"benchmarks/results/memory_sweep{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
+    _write_results(
+        ROOT / f"benchmarks/results/memory_sweep{suffix}.json", args, rows
+    )
+    return 0
+
+
+def _write_results(path, args, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
         json.dumps(
             {"backend": args.backend, "repeats": args.repeats, "rows": rows},
             indent=1,
         )
     )
-    print(f"wrote {out}")
-    return 0
+    print(f"wrote {path}")
 
 
 def _other_backend_child(model, x, y, steps, params):
@@ -270,29 +275,9 @@ def main(argv=None):
             samples = []
             for _ in range(args.repeats):
                 started = time.perf_counter()
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--steps",
-                        str(args.steps),
-                        "--child",
-                        model_name,
-                        variant,
-                        str(args.micro_batch),
-                        str(k),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    timeout=900,
-                    env={
-                        **os.environ,
-                        "KERAS_BACKEND": args.backend,
-                        "JAX_PLATFORMS": "cpu",
-                    },
-                )
-                samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                child_args = ["--steps", args.steps, "--child", model_name]
+                child_args += [variant, args.micro_batch, k]
+                samples.append(_run_child(child_args, args.backend))
                 elapsed = time.perf_counter() - started
             peaks = [s["peak_bytes"] for s in samples]
             row = {
@@ -319,15 +304,7 @@ def main(argv=None):
                 f"{elapsed:.0f}s a run)",
                 flush=True,
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"backend": args.backend, "repeats": args.repeats, "rows": rows},
-            indent=1,
-        )
-    )
-    print(f"wrote {out}")
+    _write_results(Path(args.out), args, rows)
     if args.write_docs:
         sys.path.insert(0, str(Path(__file__).parent))
         from report import write_docs

@@ -82,27 +82,25 @@ def test_backends_script_smoke(tmp_path):
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
 
 
-def test_memory_child_on_torch_smoke():
-    # One measured process of `bench_memory.py --backend=torch`.
+def _memory_child(backend, *args):
+    """What one measured process of `bench_memory.py` reports."""
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_memory.py"),
-            "--steps=1",
-            "--child",
-            "cnn",
-            "accum",
-            "4",
-            "2",
-        ],
-        env={**os.environ, "KERAS_BACKEND": "torch"},
+        [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), *args],
+        env={**os.environ, "KERAS_BACKEND": backend},
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    row = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_memory_child_on_torch_smoke():
+    # One measured process of `bench_memory.py --backend=torch`.
+    row = _memory_child(
+        "torch", "--steps=1", "--child", "cnn", "accum", "4", "2"
+    )
     assert row["device"] == "CPU"
     assert row["peak_bytes"] > 0
     assert row["param_bytes"] == 455464  # The CNN's float32 weights.
@@ -111,21 +109,6 @@ def test_memory_child_on_torch_smoke():
 
 def test_memory_sweep_child_smoke():
     # One measured process of `bench_memory.py --sweep`: fit on arrays.
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_memory.py"),
-            "--sweep-child",
-            "accum",
-            "64",
-        ],
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    row = json.loads(result.stdout.strip().splitlines()[-1])
+    row = _memory_child("tensorflow", "--sweep-child", "accum", "64")
     assert row["data_bytes"] == 64 * 64 * 64 * 3 * 4 + 64 * 4
     assert row["peak_bytes"] > 0
