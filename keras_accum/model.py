@@ -785,7 +785,9 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         # constant batch size) still run when the step fails: on the call
         # that finds an input of unknown length exhausted, or on an error
         # in the forward pass, they would count a micro-batch whose
-        # gradient never entered the window.
+        # gradient never entered the window. On every gradient, not only the
+        # loss: under MultiWorkerMirroredStrategy a narrower set let the
+        # workers launch their gradient all-reduces in different orders.
         ready = [
             t
             for t in tf.nest.flatten(data, expand_composites=True)
