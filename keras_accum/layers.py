@@ -64,7 +64,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.renorm:
+        # Keras 3.10's `BatchNormalization` has no `renorm` (it refuses the
+        # argument itself).
+        if getattr(self, "renorm", False):
             raise ValueError(
                 "`AccumBatchNormalization` does not support batch "
                 "renormalization. Received: renorm=True"

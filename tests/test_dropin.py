@@ -337,7 +337,10 @@ def test_monitors_of_pseudo_batch_loss_mean_work_in_auto_mode(tmp_path):
     assert checkpoint.best == pytest.approx(means[-1])
     assert plateau.best == pytest.approx(means[-1])
     assert float(model.optimizer.learning_rate) == pytest.approx(0.05)
-    assert stopper.mode == checkpoint.mode == plateau.mode == "min"
+    # The bests above show each callback's direction. (Keras 3.10's
+    # ModelCheckpoint and ReduceLROnPlateau resolve "auto" to "min" for this
+    # key themselves, and keep no `mode` or keep "auto".)
+    assert stopper.mode == "min"
     assert rising.mode == "max" and rising.best == pytest.approx(means[0])
     assert (tmp_path / "best.weights.h5").exists()
 

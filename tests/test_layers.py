@@ -121,5 +121,6 @@ def test_open_window_statistics_survive_save_and_load(tmp_path):
 
 
 def test_renorm_is_refused():
-    with pytest.raises(ValueError, match="Received: renorm=True"):
+    # Keras 3.10 has no renorm and refuses the argument itself.
+    with pytest.raises(ValueError, match="renorm"):
         keras_accum.AccumBatchNormalization(renorm=True)
