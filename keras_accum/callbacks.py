@@ -205,7 +205,6 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         self.updates: list[PseudoBatch] = []
         self._read = 0
         self._epoch_start = 0
-        self._skipped_start = 0
         self._batches_since_read = 0
         self._read_every = 1
         self._writer = None
@@ -243,7 +242,6 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = len(self.updates)
-        self._skipped_start = self.model.skipped_windows
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
@@ -274,10 +272,8 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         else:
             logs["pseudo_batch_loss_mean"] = float("nan")
             logs["pseudo_batch_loss_std"] = float("nan")
-        # `compile()` rebuilds the window state, restarting the count.
-        logs["pseudo_batch_skipped_windows"] = max(
-            0, self.model.skipped_windows - self._skipped_start
-        )
+        # Counted once, by the model, when the epoch's last window closed.
+        logs["pseudo_batch_skipped_windows"] = self.model._epoch_skipped_windows
         if self.noise_scale:
             logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
             logs["pseudo_batch_critical_batch_size"] = self.critical_batch_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,8 @@ from keras import ops
 from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses import loss as loss_module
-from keras.src.models.functional import Functional
+from keras.src.models import cloning
+from keras.src.models.functional import Functional, functional_like_constructor
 from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.naming import auto_name
@@ -97,21 +99,24 @@ def _inject_functional_accum_class(cls):
     return cls
 
 
+# The code of Keras 3.10-3.15's `clone_model` helper that rebuilds a
+# functional model (None if a Keras release renames it: the clone tests
+# then fail rather than settings dropping silently).
+_CLONE_CODE = getattr(
+    getattr(cloning, "_clone_functional_model", None), "__code__", None
+)
+
+
 def _cloning_caller(frame) -> bool:
     # `keras.models.clone_model` rebuilds a functional model inside
     # `_clone_functional_model`, as `model.__class__(inputs, outputs,
     # name=...)`: nothing in that call says what the source model was.
-    from keras.src.models import cloning
-
-    clone = getattr(cloning, "_clone_functional_model", None)
-    return frame is not None and frame.f_code is getattr(clone, "__code__", 0)
+    return frame is not None and frame.f_code is _CLONE_CODE
 
 
 def _clone_source(kwargs):
     """The `AccumModel` that `clone_model` is cloning, when it is
     `clone_model` that calls `AccumModel.__new__`, which calls this."""
-    import sys
-
     if "accum_steps" in kwargs or "partial_window" in kwargs:
         return None
     frame = sys._getframe(2)
@@ -310,6 +315,8 @@ class AccumModel(*_BACKEND_BASES, keras.Model):
         self._partial_window = partial_window
         self._noise_scale_every = 0
         self._epoch = 0
+        # Windows skipped in the last finished epoch (`_WindowEpochs`).
+        self._epoch_skipped_windows = 0
         self._reset_window_state()
 
     def _reset_window_state(self):
@@ -1247,20 +1254,23 @@ class _WindowEpochs(keras.callbacks.Callback):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
-        self._warn_if_skipped(epoch)
+        self._count_skipped(epoch)
         for logger in self._loggers:
             logger._on_window_epoch_end(logs)
 
-    def _warn_if_skipped(self, epoch):
+    def _count_skipped(self, epoch):
         # Not a log key: the default logs stay those of `keras.Model`, so
         # tooling that reads them sees no difference at `accum_steps=1`.
         # A skip is a divergence from plain training, though, so it is
-        # never silent.
+        # never silent. The epoch's count is left on the model for
+        # `PseudoBatchLogger`.
         model = self._accum_model
         total = model.skipped_windows
-        skipped = total - self._skipped_before
+        # `compile()` rebuilds the window state, restarting the count.
+        skipped = max(0, total - self._skipped_before)
         self._skipped_before = total
-        if skipped <= 0 or isinstance(
+        model._epoch_skipped_windows = skipped
+        if skipped == 0 or isinstance(
             model.optimizer, keras.optimizers.LossScaleOptimizer
         ):
             # A loss-scale optimizer skips such a step in plain Keras too
@@ -1294,10 +1304,8 @@ class _FunctionalAccumModel(AccumModel, Functional):
     """
 
     def _run_through_graph(self, *args, **kwargs):
-        import sys
-
-        from keras.src.models.functional import functional_like_constructor
-
+        # Runs on every forward pass of a functional model: only a frame
+        # check unless `clone_model` is the caller.
         cls = type(self)
         if _cloning_caller(sys._getframe(1)) and not (
             functional_like_constructor(cls)
