@@ -149,13 +149,6 @@ class WindowState(SavedWindow):
         """
         # (The step runs this under control dependencies on the micro-batch,
         # its loss and its gradients: see `AccumModel.train_step`.)
-        self._add_micro_batch(
-            grads, weight, normalizer, loss, samples, scheduled
-        )
-
-    def _add_micro_batch(
-        self, grads, weight, normalizer, loss, samples, scheduled
-    ):
         starting = tf.equal(self.mini_step.value, 0)
         self.window_length.assign(
             _window_rules.next_window_length(self._values(), scheduled)
