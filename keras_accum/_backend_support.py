@@ -1,6 +1,6 @@
 """What `AccumModel` does not support yet on JAX and PyTorch, and the errors.
 
-The JAX and PyTorch steps share the window rules (`_window_rules.py`) and
+The JAX and PyTorch steps share the window rules (`_window.py`) and
 refuse, with one error naming the feature and the backend, what those
 rules do not cover yet: today only Flax NNX mode on JAX, whose trainer
 calls the step another way. (PyTorch has no `keras.distribution` in Keras

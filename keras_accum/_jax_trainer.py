@@ -2,19 +2,18 @@
 
 Keras's JAX trainer runs `train_step(state, data) -> (logs, state)`, jitted,
 with `state = (trainable, non_trainable, optimizer, metrics)` values. The
-window's values (`_window_rules.WindowVariables`) ride at the end of the
+window's values (`_window.WindowState`) ride at the end of the
 optimizer slot: Keras then hands them to the step, donates their buffers,
 and keeps them across steps like the optimizer's own state, and callbacks
 that sync the model mid-epoch see them too.
 
 `JaxAccumTrainer` is a base of `AccumModel` on the JAX backend only, the way
-Keras picks its trainer by backend. It overrides the Keras JAX trainer's
-hooks (`make_train_function`, `_get_jax_state`, `jax_state_sync`,
-`_symbolic_build`); where `AccumModel` itself defines a method that differs
-by backend, that method calls the JAX one here
-(`_make_value_flush_function`). The window rules themselves are shared with
-PyTorch (`_window_rules.py`); this module only runs them in a jitted step,
-with `jax.lax.cond` around the stateless optimizer apply.
+Keras picks its trainer by backend. Its `train_step(state, data)` is the one
+Keras's own `make_train_function` jits (donating the state's buffers); it
+runs the window rules (`_window.py`) on the window's values, with
+`jax.lax.cond` around the stateless optimizer apply. It also overrides the
+hooks that carry the window in the state (`_get_jax_state`,
+`jax_state_sync`, `_get_state_sharding_spec`) and `_symbolic_build`.
 """
 
 from __future__ import annotations
@@ -23,25 +22,34 @@ import warnings
 
 import jax
 import keras
-from keras.src import backend, tree
-from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_accum import _window_rules
+from keras_accum import _window
 from keras_accum._backend_support import check_model
+from keras_accum._trainer import AccumTrainer
+from keras_accum._window import WindowState
 
 
-class JaxAccumTrainer:
+class JaxAccumTrainer(AccumTrainer):
     """Accumulation for Keras's JAX trainer; a base of `AccumModel` on JAX."""
 
-    # -- Building the window state before tracing ---------------------------
+    _TRAIN_STEP_ARGS = "state, data"
+
+    def _create_window(self, length, close_hooks):
+        check_model(self)
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+        return WindowState(
+            self.trainable_weights, length, close_hooks=close_hooks
+        )
+
+    # -- Building the window state before tracing -----------------------------
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
         # The window's values must be in the state handed to the first step.
         self._ensure_window()
 
-    # -- State plumbing: the window rides in the optimizer slot -------------
+    # -- State plumbing: the window rides in the optimizer slot ---------------
 
     def _get_jax_state(
         self,
@@ -99,33 +107,34 @@ class JaxAccumTrainer:
     # -- The train step -------------------------------------------------------
 
     def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return
-        check_model(self)
-        # `AccumModel.train_step` is the TensorFlow step; this is the JAX one.
-        step = self._jax_train_step
-        if not self.run_eagerly and self.jit_compile:
-            out_shardings = None
-            if keras.distribution.distribution() is not None:
-                # As Keras: the new state keeps the variables' layouts.
-                out_shardings = (None, self._get_state_sharding_spec())
-            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-        self.train_function = self._make_function(step)
+        if self.train_function is None or force:
+            check_model(self)
+        return super().make_train_function(force=force)
 
-    def _jax_train_step(self, state, data):
+    def _check_length_in_step(self, length, updates, message):
+        if isinstance(length, jax.core.Tracer):
+            # A jitted step cannot raise: the length is clamped (documented).
+            return length
+        return super()._check_length_in_step(length, updates, message)
+
+    def train_step(self, state, data):
+        # Unpack: the window's values ride after the optimizer's.
         trainable, non_trainable, optimizer_and_window, metrics = state
         count = len(self.optimizer.variables)
         optimizer_values = list(optimizer_and_window[:count])
         window_state = self._window_for_step()
         window = window_state.unpack(optimizer_and_window[count:])
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        batch_size = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
 
         if not self.trainable_weights:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
 
+        # Forward pass, loss and its share of the window, and gradients.
         grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
         (_, aux), grads = grad_fn(
             trainable,
@@ -144,8 +153,8 @@ class JaxAccumTrainer:
             optimizer_values[_iterations_index(self.optimizer)]
         )
 
-        # Added to the window; applied once per window, in the step.
-        window = _window_rules.accumulate(
+        # Apply: into the window, and the window once it is complete.
+        window = _window.accumulate(
             window,
             grads,
             weight,
@@ -155,9 +164,7 @@ class JaxAccumTrainer:
             scheduled,
             self._noise_scale_every,
         )
-        complete = _window_rules.is_complete(
-            window, self._partial_window == "apply"
-        )
+        complete = _window.is_complete(window, self._partial_window == "apply")
         window, trainable, optimizer_values, applied = _close(
             window,
             complete,
@@ -168,6 +175,7 @@ class JaxAccumTrainer:
         )
         non_trainable = self._run_close_hooks(non_trainable, applied, complete)
 
+        # Metrics.
         logs, metrics = self._update_metrics_variables(
             metrics, loss, x, y, y_pred, sample_weight
         )
@@ -222,7 +230,7 @@ class JaxAccumTrainer:
             self._losses_override.clear()
             self._losses_override = losses
         try:
-            with backend.StatelessScope(state_mapping=mapping) as scope:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
                 loss = self._compute_loss(
                     x,
                     y,
@@ -255,16 +263,16 @@ class JaxAccumTrainer:
         mapping = list(
             zip(self.non_trainable_variables, non_trainable, strict=True)
         )
-        with backend.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
             for hook in hooks:
                 hook(applied, closing)
         return [
             scope.get_current_value(v) for v in self.non_trainable_variables
         ]
 
-    # -- Applying an open window outside the step ---------------------------
+    # -- Applying an open window outside the step -----------------------------
 
-    def _make_value_flush_function(self):
+    def _make_flush_function(self):
         window_state = self._window
         optimizer = self.optimizer
 
@@ -321,7 +329,7 @@ def _close(
     optimizer_values,
     noise_every=0,
 ):
-    """`_window_rules.close` with a stateless apply under `jax.lax.cond`.
+    """`_window.close` with a stateless apply under `jax.lax.cond`.
 
     Returns:
         `(window, trainable_values, optimizer_values, applied)`: new values,
@@ -342,7 +350,6 @@ def _close(
         def keep(trainable_values, optimizer_values):
             return list(trainable_values), list(optimizer_values)
 
-        new["applied"] = go
         # Only the chosen branch runs: one optimizer apply per window.
         new["trainable"], new["optimizer"] = jax.lax.cond(
             go, apply, keep, list(trainable_values), list(optimizer_values)
@@ -350,17 +357,17 @@ def _close(
         return new["optimizer"][_iterations_index(optimizer)]
 
     mapping = list(zip(optimizer.variables, optimizer_values, strict=True))
-    with backend.StatelessScope(state_mapping=mapping):
+    with keras.StatelessScope(state_mapping=mapping):
         loss_scale = optimizer.scale_loss(keras.ops.ones((), "float32"))
-    window = _window_rules.close(
+    window, applied = _window.close(
         window,
         should_close,
         update,
-        scales_loss=isinstance(optimizer, LossScaleOptimizer),
+        scales_loss=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         noise_every=noise_every,
         loss_scale=loss_scale,
     )
-    return window, new["trainable"], new["optimizer"], new["applied"]
+    return window, new["trainable"], new["optimizer"], applied
 
 
 def _iterations_index(optimizer):

@@ -8,7 +8,7 @@ them, so a file saved on TensorFlow resumes on JAX and the other way round.
 
 from __future__ import annotations
 
-from keras.src.saving.keras_saveable import KerasSaveable
+from keras_accum._compat import KerasSaveable
 
 # Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...).
 SAVED_COUNTERS = (

@@ -222,7 +222,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
             )
         super().set_model(model)
 
-    # -- Callback hooks ------------------------------------------------------
+    # -- Callback hooks -------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         window = self.model._window
@@ -257,7 +257,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.flush()
 
-    # -- Called by AccumModel before every other epoch-end callback --------
+    # -- Called by AccumModel before every other epoch-end callback -----------
 
     def _on_window_epoch_end(self, logs):
         self._drain()
@@ -281,7 +281,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 self.suggested_accum_steps
             )
 
-    # -- Noise scale ---------------------------------------------------------
+    # -- Noise scale ----------------------------------------------------------
 
     @property
     def noise_scale_estimate(self) -> float:

@@ -144,14 +144,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         self.window_count.assign(total)
 
-    def _close_window(self, applied, closing=True):
+    def _close_window(self, applied, closing):
         """Updates the moving statistics from the window; then clears it.
 
+        The window's close hook (`_window.WindowState.close_hooks`): the
+        backends call it after the update decision of any step that may
+        close a window, with boolean scalars `applied` and `closing`
+        (`applied` implies it); JAX's step calls it every micro-batch.
         Selected with `where`, not assigned inside a conditional: JAX's
-        stateless step cannot assign inside `jax.lax.cond`. TensorFlow calls
-        this only when the window closes; the JAX and PyTorch steps call it
-        every micro-batch, with `closing` saying whether the window closes
-        (`applied` implies it).
+        stateless step cannot assign inside `jax.lax.cond`.
         """
         count = self.window_count.value
         update = ops.logical_and(applied, count > 0)

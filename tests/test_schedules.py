@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from _helpers import UpdateRecorder, accum_mlp, mlp, regression_data
 
-import keras_accum
+from keras_accum._validation import steps_for_epoch
 
 B = 8
 
@@ -54,7 +54,7 @@ def test_schedule_by_epoch_equals_each_phase_large_batch(report_diff):
     )
     expected = []
     for epoch in range(4):
-        k = keras_accum.model.steps_for_epoch(schedule, epoch)
+        k = steps_for_epoch(schedule, epoch)
         plain.fit(x, y, batch_size=B * k, shuffle=False, verbose=0)
         expected.append((int(plain.optimizer.iterations), plain.get_weights()))
     # 9 updates (batch 8), then 5 (16), then 3 (32), then 3 (32).

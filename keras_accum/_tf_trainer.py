@@ -1,0 +1,255 @@
+"""The TensorFlow side of `AccumModel`: its graph train step.
+
+`TensorFlowAccumTrainer` is a base of `AccumModel` on the TensorFlow
+backend only, the way Keras picks its trainer by backend. Its `train_step`
+is Keras's TensorFlow step (forward pass under a `tf.GradientTape`, loss,
+gradients) with the update replaced by the window: the micro-batch's
+weighted gradient goes into the accumulators in place, and a complete
+window is applied once, inside the compiled step (`_tf_window.py`), under
+any `tf.distribute` strategy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_accum import _compat, _tf_window, _window
+from keras_accum._trainer import AccumTrainer
+
+
+class TensorFlowAccumTrainer(AccumTrainer):
+    """Accumulation for Keras's TensorFlow trainer; a base of `AccumModel`."""
+
+    def _create_window(self, length, close_hooks):
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+        return _tf_window.create(
+            self.trainable_weights, length, strategy, close_hooks
+        )
+
+    # -- The train step -------------------------------------------------------
+
+    def train_step(self, data):
+        # Unpack.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        window = self._window_for_step()
+
+        # Forward pass under the tape.
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+
+            # Loss, as Keras reports it.
+            loss = self._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+            batch_size = tf.shape(
+                next(i for i in keras.tree.flatten(x) if i is not None)
+            )[0]
+            self._loss_tracker.update_state(
+                _compat.unscale_loss_for_distribution(loss),
+                sample_weight=batch_size,
+            )
+
+            # Scale: the micro-batch's share of the window's loss.
+            objective, weight, normalizer, window_loss_term = (
+                self._micro_batch_share(
+                    loss, y, y_pred, sample_weight, batch_size, window
+                )
+            )
+
+        if not self.trainable_weights:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
+            return self.compute_metrics(
+                x, y, y_pred, sample_weight=sample_weight
+            )
+
+        # Gradients.
+        gradients = tape.gradient(objective, self.trainable_weights)
+        none_grads = self._window_none_grads = [g is None for g in gradients]
+
+        # Apply: into the window, and the window once it is complete. Its
+        # writes wait for the micro-batch, its loss and every gradient.
+        # Without that, ops that read no data (counters, a constant batch
+        # size) still run when the step fails: on the call that finds an
+        # input of unknown length exhausted, or on an error in the forward
+        # pass, they would count a micro-batch whose gradient never entered
+        # the window. On every gradient, not only the loss: under
+        # MultiWorkerMirroredStrategy a narrower set let the workers launch
+        # their gradient all-reduces in different orders.
+        ready = [
+            t
+            for t in tf.nest.flatten(data, expand_composites=True)
+            if tf.is_tensor(t)
+        ]
+        ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
+        with tf.control_dependencies(ready):
+            self._add_to_window(
+                window,
+                gradients,
+                none_grads,
+                weight,
+                normalizer,
+                window_loss_term,
+                batch_size,
+            )
+
+        # Metrics.
+        return self._logs_for_strategy(
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        )
+
+    def _add_to_window(
+        self,
+        window,
+        gradients,
+        none_grads,
+        weight,
+        normalizer,
+        window_loss_term,
+        batch_size,
+    ):
+        """Adds a micro-batch to the window and applies a complete one."""
+        trainable_weights = self.trainable_weights
+        scheduled = self._scheduled_length(self.optimizer.iterations)
+        noise_every = self._noise_scale_every
+        xla = bool(self.jit_compile)
+
+        def accumulate_then_maybe_apply():
+            _tf_window.accumulate(
+                window,
+                gradients,
+                weight,
+                normalizer,
+                window_loss_term,
+                batch_size,
+                scheduled,
+                noise_every,
+                xla,
+            )
+            complete = _window_is_complete(window, self._partial_window)
+            _tf_window.close(
+                window,
+                self.optimizer,
+                trainable_weights,
+                complete,
+                none_grads,
+                noise_every,
+                xla,
+            )
+
+        if self._accum_steps == 1 and _tf_window.supports_direct_apply():
+            # A one-micro-batch window is the micro-batch: apply its
+            # gradient as a plain step does, without the accumulators.
+            # Traced only for `accum_steps=1`: the conditional holds the
+            # micro-batch's gradients for its whole run, which would cost
+            # a gradient-sized buffer during every longer window's apply.
+            # The runtime check keeps a later `accum_steps` change exact.
+            tf.cond(
+                _tf_window.is_direct(window),
+                lambda: _tf_window.apply_direct(
+                    window,
+                    self.optimizer,
+                    trainable_weights,
+                    gradients,
+                    none_grads,
+                    normalizer,
+                    window_loss_term,
+                    batch_size,
+                ),
+                accumulate_then_maybe_apply,
+            )
+        else:
+            accumulate_then_maybe_apply()
+
+    def _check_length_in_step(self, length, updates, message):
+        if tf.executing_eagerly():
+            return super()._check_length_in_step(length, updates, message)
+        if self.jit_compile:
+            # XLA would drop an assertion and has no string ops: clamped.
+            return length
+        text = tf.strings.join(
+            [
+                message,
+                tf.strings.as_string(length),
+                " at update ",
+                tf.strings.as_string(ops.convert_to_tensor(updates)),
+            ]
+        )
+        check = tf.debugging.Assert(length >= 1, [text])
+        with tf.control_dependencies([check]):
+            return tf.identity(length)
+
+    # -- Applying an open window outside the step -----------------------------
+
+    def _make_flush_function(self):
+        window = self._window
+        strategy = self.distribute_strategy
+        variables = self.trainable_weights
+        noise_every = self._noise_scale_every
+        xla = bool(self.jit_compile)
+
+        def replica_fn():
+            _tf_window.close(
+                window,
+                self.optimizer,
+                variables,
+                window.mini_step.value > 0,
+                self._window_none_grads or [False] * len(variables),
+                noise_every,
+                xla,
+            )
+
+        @tf.function
+        def flush():
+            strategy.run(replica_fn)
+
+        return flush
+
+    # -- Evaluation and logs under tf.distribute ------------------------------
+
+    def test_step(self, data):
+        return self._logs_for_strategy(super().test_step(data))
+
+    def _logs_for_strategy(self, logs):
+        """Works around Keras 3.15 reducing scalar logs with `axis=0`.
+
+        Under MultiWorkerMirroredStrategy Keras averages each replica's logs
+        with `strategy.reduce("MEAN", value, axis=0)`, which fails for the
+        scalars every metric returns; one-element vectors average to the
+        same scalar.
+        """
+        if not _multi_worker(self.distribute_strategy):
+            return logs
+        return keras.tree.map_structure(
+            lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
+        )
+
+
+def _window_is_complete(window, partial_window):
+    return _window.is_complete(window.values(), partial_window == "apply")
+
+
+def _multi_worker(strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and bool(strategy.extended._in_multi_worker_mode())
+
+
+def _dense_part(gradient):
+    # `IndexedSlices` (embeddings) are no tensor; their values are.
+    return getattr(gradient, "values", gradient)

@@ -1,0 +1,402 @@
+"""What every backend's accumulating trainer shares.
+
+`AccumTrainer` is the base of the three backend trainers
+(`_tf_trainer.TensorFlowAccumTrainer`, `_jax_trainer.JaxAccumTrainer`,
+`_torch_trainer.TorchAccumTrainer`), one of which `AccumModel` inherits,
+the way Keras picks its own trainer by backend. Each overrides Keras's
+`train_step` in its backend's signature and runs the window rules
+(`_window.py`); this class holds the rest they have in common: the window
+state's life, the micro-batch's share of the window's loss, schedules, the
+check that a custom `train_step` reaches the window, and what `fit` tells
+the window at epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import keras
+from keras import ops
+
+from keras_accum import _compat
+from keras_accum._validation import steps_for_epoch
+from keras_accum._window import COUNT_DTYPE
+from keras_accum._window_log import read_int
+from keras_accum.layers import AccumBatchNormalization
+
+_SUM_REDUCTIONS = ("sum", "none", None)
+
+
+class AccumTrainer:
+    """The backend-neutral half of `AccumModel`'s training.
+
+    Backends provide `train_step`, `_create_window(length, hooks)` and
+    `_make_flush_function()`, and may override `_check_length_in_step`.
+    """
+
+    # The arguments of the backend's `train_step`, for error messages.
+    _TRAIN_STEP_ARGS = "data"
+
+    def _reset_window_state(self):
+        self._window = None
+        self._window_refs = None
+        self._flush_function = None
+        # Which gradients are None, fixed when the step is traced; the
+        # flush reuses it.
+        self._window_none_grads = None
+        self._steps_per_epoch = 0
+
+    # -- The window state's life ----------------------------------------------
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # The accumulators must exist before the step is traced, so build
+        # now. From the dataset's element spec when possible: no batch is
+        # consumed, and Keras's own path (3.15) reduces a real batch with
+        # `strategy.reduce`, which fails under MultiWorkerMirroredStrategy
+        # (keras-team/keras#20585).
+        if not self._all_built():
+            spec = data_batch
+            if spec is None and iterator is not None:
+                spec = _element_spec(iterator)
+            if spec is not None:
+                try:
+                    with self.distribute_strategy.scope():
+                        self._symbolic_build(data_batch=spec)
+                except Exception:  # noqa: BLE001
+                    # Left to Keras: a strategy's batch, or the first trace.
+                    pass
+        if not self._all_built():
+            super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+        self._ensure_window()
+
+    def _all_built(self):
+        optimizer = getattr(self, "optimizer", None)
+        return (
+            all(layer.built for layer in self._flatten_layers())
+            and (optimizer is None or optimizer.built)
+            and all(
+                part is None or part.built
+                for part in (
+                    getattr(self, "_compile_loss", None),
+                    getattr(self, "_compile_metrics", None),
+                )
+            )
+        )
+
+    def _ensure_window(self):
+        if self._window is not None or getattr(self, "optimizer", None) is None:
+            return
+        if not all(layer.built for layer in self._flatten_layers()):
+            return
+        self._window = self._create_window(
+            self._steps_for_now() or 1, self._window_close_hooks()
+        )
+        self._window_refs = [id(v) for v in self.trainable_weights]
+        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _window_close_hooks(self):
+        """`hook(applied, closing)` of each layer that follows the window."""
+        batch_norms = [
+            layer
+            for layer in self._flatten_layers()
+            if isinstance(layer, AccumBatchNormalization)
+        ]
+        for layer in batch_norms:
+            layer._window_owned = True
+        return [layer._close_window for layer in batch_norms]
+
+    def _window_for_step(self):
+        """The window state, checked, for a step being traced or run."""
+        if self._window is None:
+            # The model could not be built before tracing (e.g. its build
+            # needs real data); create the state during the first trace.
+            self._ensure_window()
+        if self._window_refs != [id(v) for v in self.trainable_weights]:
+            raise ValueError(
+                "The model's trainable weights changed since the "
+                "accumulators were created. Call `compile()` again after "
+                "changing `trainable`, as Keras requires."
+            )
+        # Read by `_checked_train_function`: the step reached the window.
+        self._window_stepped = True
+        return self._window
+
+    def _steps_for_now(self) -> int | None:
+        """The window length the configuration gives now, if static."""
+        if isinstance(self._accum_steps, dict):
+            return steps_for_epoch(self._accum_steps, self._epoch)
+        if callable(self._accum_steps):
+            return None
+        return self._accum_steps
+
+    def _assign_target_length(self):
+        steps = self._steps_for_now()
+        if self._window is not None and steps is not None:
+            self._window.target_length.assign(steps)
+
+    def _flush(self):
+        """Applies the open window outside the step."""
+        if self._flush_function is None:
+            self._flush_function = self._make_flush_function()
+        self._flush_function()
+
+    # -- The train function ---------------------------------------------------
+
+    def make_train_function(self, force: bool = False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        # Set when the traced (or eager) step reaches the window.
+        self._window_stepped = False
+        super().make_train_function(force=force)
+        self.train_function = _checked_train_function(self, self.train_function)
+        return self.train_function
+
+    # -- The micro-batch's share of the window --------------------------------
+
+    def _micro_batch_share(
+        self, loss, y, y_pred, sample_weight, batch_size, window
+    ):
+        """What every backend's step differentiates and adds to the window.
+
+        Returns:
+            `(objective, weight, normaliser, window loss term)`: the
+            micro-batch's share of the window's loss, loss-scaled for the
+            optimizer; the weight its gradient gets in the accumulators;
+            the normaliser it adds to the window's divisor; and its
+            weighted loss, float32, for the pseudo-batch loss.
+        """
+        objective, weight, normalizer = self._window_objective(
+            loss, y, y_pred, sample_weight, batch_size, window
+        )
+        term = ops.cast(ops.stop_gradient(objective), "float32") * weight
+        if self.optimizer is not None:
+            objective = self.optimizer.scale_loss(objective)
+        return objective, weight, normalizer, term
+
+    def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
+        """Returns (what to differentiate, its weight, its normaliser).
+
+        A mean-reduced micro-batch gradient is weighted by the entries the
+        loss averaged over, which turns it back into a sum, and the window
+        is divided by the total of those at apply time: the mean over the
+        window, not a mean of means. The weight is applied to the float32
+        gradient, not to the loss, so that backpropagation (float16 under
+        mixed precision) sees the magnitudes a plain step sees.
+        """
+        reduction, normalizer = self._loss_normalizer(
+            y, y_pred, sample_weight, batch_size
+        )
+        if reduction in _SUM_REDUCTIONS:
+            # Summed micro-batch losses already add up to the window's,
+            # except that each carries the regularization once: keep it on
+            # the window's first micro-batch only.
+            regularization = self._regularization_loss(loss.dtype)
+            later = ops.cast(w.mini_step.value > 0, loss.dtype)
+            zero, one = ops.zeros((), "float32"), ops.ones((), "float32")
+            return loss - later * regularization, one, zero
+        normalizer = ops.cast(normalizer, "float32")
+        objective = _compat.unscale_loss_for_distribution(loss)
+        return objective, normalizer, normalizer
+
+    def _regularization_loss(self, dtype):
+        losses = [self._aggregate_additional_loss(v) for v in self.losses]
+        if not losses:
+            return ops.zeros((), dtype)
+        total = losses[0]
+        for value in losses[1:]:
+            total = ops.add(total, value)
+        return ops.cast(total, dtype)
+
+    def _loss_normalizer(self, y, y_pred, sample_weight, batch_size):
+        """The reduction in use and the divisor it applied to this batch.
+
+        Only proportionality across micro-batches matters: the window is
+        divided by the total of these.
+        """
+        compile_loss = self._compile_loss
+        flat_losses = getattr(compile_loss, "_flat_losses", None) or []
+        reductions = []
+        for entry in flat_losses:
+            reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+            reductions.append(
+                "sum_over_batch_size" if reduction is None else reduction
+            )
+        if not reductions:
+            # A custom `compute_loss`: assume the usual mean over the batch.
+            return "sum_over_batch_size", batch_size
+        if len(set(reductions)) > 1:
+            warnings.warn(
+                "The losses use different reductions "
+                f"({sorted(set(map(str, reductions)))}); AccumModel weights "
+                "every micro-batch by its number of samples, which equals "
+                "large-batch training only when micro-batches are full.",
+                stacklevel=2,
+            )
+            return "sum_over_batch_size", batch_size
+        reduction = reductions[0]
+        if reduction in _SUM_REDUCTIONS:
+            return reduction, None
+        flat_pred = keras.tree.flatten(y_pred)
+        if len(flat_losses) != 1 or len(flat_pred) != 1:
+            # Several outputs share the batch: samples are the common unit.
+            return reduction, batch_size
+        pred = flat_pred[0]
+        mask = _compat.get_keras_mask(pred)
+        # Loss functions reduce the last axis; the entries left are what
+        # "sum_over_batch_size" divides by. Dimensions are ints where known
+        # and scalar tensors where dynamic (TensorFlow).
+        rank = ops.ndim(pred)
+        if rank is not None and rank > 1:
+            entries = math.prod(ops.shape(pred)[:-1])
+        else:
+            entries = batch_size
+        if reduction == "mean_with_sample_weight":
+            weight = _compat.apply_mask(
+                _single(sample_weight), mask, "float32", reduction
+            )
+            if weight is not None:
+                return reduction, ops.sum(ops.cast(weight, "float32"))
+            return reduction, entries
+        if mask is not None:
+            return reduction, ops.sum(ops.cast(mask, "float32"))
+        return reduction, entries
+
+    # -- Schedules ------------------------------------------------------------
+
+    def _scheduled_length(self, updates):
+        """The callable schedule's window length for `updates`, in the step.
+
+        None unless `accum_steps` is a callable (the window then takes its
+        length from `target_length`).
+        """
+        if not callable(self._accum_steps):
+            return None
+        length = ops.cast(self._accum_steps(updates), COUNT_DTYPE)
+        if len(length.shape) != 0:
+            raise ValueError(
+                "An `accum_steps` callable must return a scalar. Received: "
+                f"accum_steps={self._accum_steps!r} returning shape "
+                f"{length.shape}"
+            )
+        # Checked eagerly at the start of `fit`, but a later update count
+        # may give less than 1. The step fails then wherever it can; a
+        # compiled step that cannot (XLA, a jitted JAX step) clamps to 1,
+        # which beats a window that never closes (documented).
+        message = (
+            "An `accum_steps` callable must return an integer >= 1. "
+            f"Received: accum_steps={self._accum_steps!r} returning "
+        )
+        length = self._check_length_in_step(length, updates, message)
+        return ops.maximum(length, 1)
+
+    def _check_length_in_step(self, length, updates, message):
+        """Fails for a scheduled `length` < 1 where the step can fail.
+
+        Here for an eager step (PyTorch's); the TensorFlow and JAX trainers
+        add their compiled steps.
+        """
+        if int(length) < 1:
+            raise ValueError(f"{message}{int(length)} at update {int(updates)}")
+        return length
+
+    def _check_schedule(self):
+        """Evaluates a callable schedule once, eagerly, to fail early."""
+        if not callable(self._accum_steps):
+            return
+        optimizer = self.optimizer
+        updates = 0 if optimizer is None else int(optimizer.iterations)
+        value = self._accum_steps(
+            ops.convert_to_tensor(updates, dtype=COUNT_DTYPE)
+        )
+        message = (
+            "An `accum_steps` callable must return an integer >= 1. "
+            f"Received: accum_steps={self._accum_steps!r} returning "
+            f"{value!r} at update {updates}"
+        )
+        try:
+            steps = float(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(message) from error
+        if steps < 1 or steps != int(steps):
+            raise ValueError(message)
+
+    def _set_noise_scale_every(self, every: int) -> None:
+        # Part of the traced step: a change retraces it once.
+        if every != self._noise_scale_every:
+            self._noise_scale_every = every
+            self.train_function = None
+            self._flush_function = None
+
+    # -- Epoch boundaries (told by `_window_epochs.WindowEpochs`) -------------
+
+    def _set_steps_per_epoch(self, steps):
+        self._steps_per_epoch = int(steps or 0)
+        if self._window is not None:
+            self._window.steps_per_epoch.assign(self._steps_per_epoch)
+
+    def _start_epoch(self, epoch):
+        self._epoch = epoch
+        self._assign_target_length()
+        if self._window is not None:
+            self._window.epoch_step.assign(0)
+
+
+def _single(sample_weight):
+    if sample_weight is None:
+        return None
+    flat = keras.tree.flatten(sample_weight)
+    return flat[0] if len(flat) == 1 else None
+
+
+def _element_spec(iterator):
+    """The element spec of the data behind a Keras epoch iterator, if any.
+
+    Read from the dataset that Keras's TensorFlow epoch iterator already
+    made (under a strategy, the one it distributes). A new one from the
+    data adapter (`get_tf_dataset()`) would convert in-memory arrays to
+    tensors again: a transient copy of the whole training data, twice its
+    size at peak.
+    """
+    # Keras 3.15 `TFEpochIterator._distributed_dataset`; TensorFlow's
+    # `DistributedDataset._original_dataset`.
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    dataset = getattr(dataset, "_original_dataset", dataset)
+    return getattr(dataset, "element_spec", None)
+
+
+def _checked_train_function(model, function):
+    """`function`, failing loudly if its step bypassed the window.
+
+    A subclass whose `train_step` never calls `super().train_step(...)`
+    (e.g. a GAN with its own optimizers) applies its optimizer on every
+    micro-batch: training would go on with no accumulation at all. The
+    flag is set when the step is traced (or, eagerly, run), so the check
+    costs nothing per step.
+    """
+
+    def train_function(*args, **kwargs):
+        outputs = function(*args, **kwargs)
+        # With one micro-batch per window, a plain step is what
+        # `keras.Model` runs: a drop-in with a custom step stays one.
+        if not model._window_stepped and model.accum_steps != 1:
+            call = f"super().train_step({model._TRAIN_STEP_ARGS})"
+            updates = 0
+            if getattr(model, "optimizer", None) is not None:
+                updates = read_int(model.optimizer.iterations)
+            raise RuntimeError(
+                f"`{type(model).__name__}.train_step` does not call "
+                f"`{call}`, so it never reaches the "
+                f"accumulation window: with accum_steps={model.accum_steps!r} "
+                "it would update the weights on every micro-batch, without "
+                f"accumulating ({updates} optimizer update(s) so far). Call "
+                f"`{call}` from a custom `train_step` (and "
+                "change only what surrounds it), or subclass `keras.Model` "
+                "for a step that updates on every batch, such as a GAN "
+                "with its own optimizers."
+            )
+        return outputs
+
+    return train_function

@@ -1,0 +1,102 @@
+"""What `fit` tells the window at epoch boundaries, as a callback.
+
+`AccumModel.fit` puts `WindowEpochs` first among the callbacks: it tells the
+step how many steps an epoch has and where one starts, applies a window an
+epoch of unknown length left open, warns about skipped windows, and runs
+the loggers that add to the epoch logs before any other callback sees
+them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from keras_accum._window_log import MINIMIZED_LOG_KEYS
+
+
+def _set_monitor_modes(callbacks) -> None:
+    """Gives monitors of a minimised `PseudoBatchLogger` key `mode="min"`.
+
+    Keras's `mode="auto"` knows only `"loss"` and compiled metrics, and
+    raises for any other key at the first epoch end. For keys whose
+    direction is certain, `"auto"` then means `"min"`: Keras reads `mode`
+    lazily, at that first epoch end. Other keys keep Keras's error.
+    """
+    for cb in callbacks:
+        if (
+            getattr(cb, "mode", None) == "auto"
+            and getattr(cb, "monitor", None) in MINIMIZED_LOG_KEYS
+            and getattr(cb, "monitor_op", None) is None
+        ):
+            cb.mode = "min"
+
+
+class WindowEpochs(keras.callbacks.Callback):
+    """Tells the compiled step where epochs end; applies leftovers."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._accum_model = model
+        self._loggers = []
+        self._skipped_before = 0
+
+    def set_loggers(self, callbacks):
+        # Callbacks that add to the epoch logs (`PseudoBatchLogger`): run
+        # here, first of all, so every later callback sees their keys.
+        self._loggers = [
+            cb for cb in callbacks if hasattr(cb, "_on_window_epoch_end")
+        ]
+        _set_monitor_modes(callbacks)
+
+    def on_train_begin(self, logs=None):
+        self._accum_model._set_steps_per_epoch(self.params.get("steps"))
+        self._accum_model._check_schedule()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._accum_model._start_epoch(epoch)
+        self._skipped_before = self._accum_model.skipped_windows
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._accum_model.partial_window == "apply":
+            # Unknown epoch length: the step could not close the window.
+            self._accum_model.apply_partial_window()
+        self._count_skipped(epoch)
+        for logger in self._loggers:
+            logger._on_window_epoch_end(logs)
+
+    def _count_skipped(self, epoch):
+        # Not a log key: the default logs stay those of `keras.Model`, so
+        # tooling that reads them sees no difference at `accum_steps=1`.
+        # A skip is a divergence from plain training, though, so it is
+        # never silent. The epoch's count is left on the model for
+        # `PseudoBatchLogger`.
+        model = self._accum_model
+        total = model.skipped_windows
+        # `compile()` rebuilds the window state, restarting the count.
+        skipped = max(0, total - self._skipped_before)
+        self._skipped_before = total
+        model._epoch_skipped_windows = skipped
+        if skipped == 0 or isinstance(
+            model.optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            # A loss-scale optimizer skips such a step in plain Keras too
+            # (and lowers its scale), so the window does what it would.
+            return
+        windows = "window" if skipped == 1 else "windows"
+        warnings.warn(
+            f"Epoch {epoch + 1}: AccumModel skipped {skipped} {windows} "
+            "because the accumulated gradient was not finite (NaN or inf): "
+            f"{'it' if skipped == 1 else 'they'} applied no update, where a "
+            "plain `keras.Model` would have written the non-finite "
+            f"gradient into the weights. {total} over the model's life "
+            "(`model.skipped_windows`). Check the data, the loss and the "
+            "learning rate for what produces NaN or inf; "
+            "`PseudoBatchLogger` logs the count per epoch as "
+            "`pseudo_batch_skipped_windows`.",
+            stacklevel=2,
+        )
+
+    def on_train_end(self, logs=None):
+        self._accum_model._set_steps_per_epoch(0)
