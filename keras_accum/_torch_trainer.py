@@ -83,6 +83,12 @@ class TorchAccumTrainer(AccumTrainer):
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
 
         # Scale: the micro-batch's share of the window's loss.
+        if batch_size == 1:
+            # Under `torch.compile` (torch 2.13), a one-sample micro-batch's
+            # loss and its share traced into one graph came out without a
+            # gradient ("element 0 of tensors does not require grad"); a
+            # graph break between them avoids it. A no-op when eager.
+            torch._dynamo.graph_break()
         objective, weight, normalizer, term = self._micro_batch_share(
             loss, y, y_pred, sample_weight, batch_size, window_state
         )
@@ -142,6 +148,7 @@ class TorchAccumTrainer(AccumTrainer):
             ),
             noise_every=self._noise_scale_every,
             loss_scale=self.optimizer.scale_loss(keras.ops.ones((), "float32")),
+            divide=_divide_in_place,
         )
         # After the update, as on TensorFlow (`AccumBatchNormalization`).
         for hook in self._window.close_hooks:
@@ -194,3 +201,12 @@ def _add_in_place(window, grads, weight, starting, measure):
         else:
             acc.addcmul_(grad, weight)
     return accs, squares
+
+
+def _divide_in_place(accs, divisor):
+    """The window's gradient, divided in place: the optimizer gets the
+    accumulators themselves, so an update needs no second gradient-sized
+    buffer per weight. (A window's first micro-batch overwrites them.)"""
+    for acc in accs:
+        acc.div_(divisor)
+    return accs

@@ -354,6 +354,7 @@ def close(
     loss_scale=1.0,
     reduce_totals=None,
     estimate_noise=None,
+    divide=None,
 ):
     """Applies and resets the window if `should_close`.
 
@@ -376,6 +377,7 @@ def close(
         estimate_noise: `estimate_noise(window, totals)` returns the
             estimates `(trace, grad_sq)` (NaN where not sampled); defaults
             to `noise_estimates`.
+        divide: As for `window_gradients`.
 
     Returns:
         `(new window values, applied)`: `applied` is the boolean scalar
@@ -390,7 +392,7 @@ def close(
         trace, grad_sq = estimate_noise(window, totals)
     else:
         trace, grad_sq = noise_estimates(window, noise_every, loss_scale)
-    iterations = update(go, lambda: window_gradients(window, totals))
+    iterations = update(go, lambda: window_gradients(window, totals, divide))
     window = finish(
         window, totals, finite, should_close, iterations, trace, grad_sq
     )
@@ -435,13 +437,18 @@ def decide(totals, should_close=True, scales_loss: bool = False):
     return finite, go
 
 
-def window_gradients(window: WindowValues, totals) -> list:
+def window_gradients(window: WindowValues, totals, divide=None) -> list:
     """The window's gradient: the accumulators over the normaliser total.
 
     Under `tf.distribute`, this replica's share; the optimizer's
     all-reduce sums the shares into the window's mean over all replicas.
+    `divide(accumulators, divisor)` replaces the division, e.g. by one in
+    place that hands the accumulators themselves to the optimizer (no
+    gradient-sized buffer besides them).
     """
     divisor = window_divisor(totals[0])
+    if divide is not None:
+        return divide(window["acc_grads"], divisor)
     return [acc / divisor for acc in window["acc_grads"]]
 
 

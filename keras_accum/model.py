@@ -438,9 +438,11 @@ class AccumModel(_Trainer, keras.Model):
 
         Empty until the model is first trained. Each holds the open
         window's gradient sum (weighted as described above), not yet
-        divided. Between windows (`mini_step == 0`) they still hold the
-        last window's sum, unused: a window's first micro-batch overwrites
-        them, which costs less memory than clearing them after an update.
+        divided. Between windows (`mini_step == 0`) they still hold what
+        the last window left, unused (its sum; on PyTorch, divided in place
+        into the gradient the optimizer applied): a window's first
+        micro-batch overwrites them, which costs less memory than clearing
+        them after an update.
         """
         if self._window is None:
             return []
