@@ -232,6 +232,9 @@ def close(
                 scales_loss=scales_loss,
                 reduce_totals=_all_reduce_sum,
                 estimate_noise=estimate_noise,
+                # XLA fuses the division into the update already, and an
+                # assignment there cost it a copy (measured).
+                divide=None if xla else _divide_in_place(state),
             )
             state.write(window)
             _run_hooks(state, applied)
@@ -367,6 +370,29 @@ def apply_direct(
 
 def _nothing():
     return None
+
+
+def _divide_in_place(state):
+    """`_window.window_gradients`'s `divide`, into the accumulators.
+
+    The optimizer then reads the accumulators themselves: a new quotient
+    per weight, alive until the apply, would cost another copy of the
+    weights (measured: the update's peak fell from about 1.8 to 1.0-1.2
+    times the weights' size above `Model(B)`'s). Not under XLA, which
+    fuses the division into the update (1.0 without this, 2.2 with it).
+    The window's noise estimates and finiteness are read
+    before this, and a window's first micro-batch overwrites what is left.
+    """
+
+    def divide(accs, divisor):
+        del accs  # The variables are divided, not these reads.
+        grads = []
+        for acc in state.acc_grads:
+            acc.assign(acc.value / divisor)
+            grads.append(acc.value)
+        return grads
+
+    return divide
 
 
 def _run_hooks(state, applied):

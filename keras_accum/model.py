@@ -439,8 +439,9 @@ class AccumModel(_Trainer, keras.Model):
         Empty until the model is first trained. Each holds the open
         window's gradient sum (weighted as described above), not yet
         divided. Between windows (`mini_step == 0`) they still hold what
-        the last window left, unused (its sum; on PyTorch, divided in place
-        into the gradient the optimizer applied): a window's first
+        the last window left, unused (its sum, or, where the update divides
+        it in place to save memory, the gradient the optimizer applied;
+        see the backends guide): a window's first
         micro-batch overwrites them, which costs less memory than clearing
         them after an update.
         """
