@@ -55,3 +55,136 @@ def test_fit_on_arrays_builds_no_second_pipeline(pipelines_built):
     plain = len(pipelines_built)
     _fit(_linear(keras_accum.AccumModel, accum_steps=4))
     assert len(pipelines_built) - plain == plain == 1
+
+
+# -- The update's peak: the accumulators and nothing more ---------------------
+#
+# Where weights dominate, what a window adds over `Model(B)` should be its
+# accumulators (P, the trainable weights' float32 size) and no other copy
+# of the weights. Measured where the figures are deterministic: JAX's
+# compiled step (XLA's buffer assignment) and TensorFlow's allocator under
+# XLA. TensorFlow's graph executor and PyTorch's CPU allocator give no
+# deterministic peak; `benchmarks/bench_memory.py` measures them (and every
+# backend on a GPU, docs/benchmarks.md).
+
+
+def _wide_mlp(model_cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    hidden = keras.layers.Dense(1024, activation="relu")(inputs)
+    hidden = keras.layers.Dense(1024, activation="relu")(hidden)
+    outputs = keras.layers.Dense(10)(hidden)
+    return model_cls(inputs, outputs, **kwargs)
+
+
+def _wide_data(samples):
+    rng = np.random.default_rng(0)
+    x = rng.random((samples, 256), dtype=np.float32)
+    return x, rng.integers(0, 10, size=(samples,))
+
+
+def _compile(model, **kwargs):
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **kwargs,
+    )
+
+
+def _parameter_bytes(model):
+    return sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="JAX's compiled step; TensorFlow's below, PyTorch on a GPU",
+)
+def test_jax_step_holds_only_the_accumulators_beyond_a_plain_step():
+    import jax
+
+    x, y = _wide_data(64)
+    analyses = {}
+    for name, model in (
+        ("plain", _wide_mlp(keras.Model)),
+        ("accum", _wide_mlp(keras_accum.AccumModel, accum_steps=4)),
+    ):
+        _compile(model)
+        model.fit(x, y, batch_size=16, verbose=0)
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        # As Keras compiles the step (`donate_argnums=0`).
+        step = jax.jit(model.train_step, donate_argnums=0)
+        compiled = step.lower(state, (x[:16], y[:16])).compile()
+        analyses[name] = compiled.memory_analysis()
+        p = _parameter_bytes(model)
+    plain, accum = analyses["plain"], analyses["accum"]
+    # The state grows by the accumulators (and the window's few scalars and
+    # rings), all donated: the new state reuses their buffers.
+    extra_state = accum.argument_size_in_bytes - plain.argument_size_in_bytes
+    assert p <= extra_state <= p + 64 * 1024
+    assert accum.output_size_in_bytes - accum.alias_size_in_bytes < 4096
+    # The step's own buffers: no copy of the weights beyond a plain step's.
+    assert accum.temp_size_in_bytes <= plain.temp_size_in_bytes + 0.1 * p
+    peak_accum = accum.argument_size_in_bytes + accum.temp_size_in_bytes
+    peak_plain = plain.argument_size_in_bytes + plain.temp_size_in_bytes
+    assert peak_accum <= peak_plain + 1.1 * p
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow's allocator statistics; JAX's compiled step above",
+)
+def test_tensorflow_xla_step_holds_only_the_accumulators_beyond_a_plain_step():
+    import tensorflow as tf
+
+    x, y = _wide_data(16 * 4 * 2)
+    measured = {}
+    for name, build in (
+        ("plain", lambda: _wide_mlp(keras.Model)),
+        ("accum", lambda: _wide_mlp(keras_accum.AccumModel, accum_steps=4)),
+    ):
+        info = tf.config.experimental.get_memory_info
+        before = info("CPU:0")["current"]
+        model = build()
+        _compile(model, jit_compile=True)
+        # A first window: optimizer slots, accumulators, the traced step.
+        model.fit(x[:64], y[:64], batch_size=16, verbose=0)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        held = info("CPU:0")["current"]
+        model.fit(x, y, batch_size=16, verbose=0)
+        measured[name] = (held - before, info("CPU:0")["peak"] - held)
+        p = _parameter_bytes(model)
+        del model
+    plain_step, accum_step = measured["plain"][1], measured["accum"][1]
+    # The step's transient peak: what a plain step needs, no more.
+    assert accum_step <= plain_step + 0.1 * p
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="PyTorch's in-place update; TensorFlow and JAX above",
+)
+def test_torch_update_hands_the_accumulators_to_the_optimizer():
+    """The window's gradient is divided in place: the optimizer gets the
+    accumulators' own storage, no second copy of the weights (on a GPU:
+    `Model(B)` + 2.0 P before, + 1.0 P after; docs/benchmarks.md)."""
+    x, y = _wide_data(64)
+    model = _wide_mlp(keras_accum.AccumModel, accum_steps=2)
+    _compile(model)
+    handed = []
+    original = model.optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        handed.append([g.data_ptr() for g in grads])
+        return original(grads, trainable_variables)
+
+    # A spy: Keras's own apply still runs.
+    model.optimizer.apply = apply
+    model.fit(x, y, batch_size=16, verbose=0)
+    storage = [acc.value.data_ptr() for acc in model.accumulators]
+    assert len(handed) == 2
+    assert all(pointers == storage for pointers in handed)
