@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from _helpers import run_worker
 
+pytestmark = pytest.mark.tensorflow_only(reason="tf.distribute strategies")
+
 WORKER = Path(__file__).with_name("_distributed_worker.py")
 CASES = {
     "adam",

@@ -12,6 +12,10 @@ from keras.src.trainers.data_adapters import array_data_adapter
 
 import keras_accum
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="counts the tf.data pipelines Keras's TensorFlow trainer builds"
+)
+
 
 @pytest.fixture
 def pipelines_built(monkeypatch):

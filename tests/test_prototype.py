@@ -14,6 +14,10 @@ from _helpers import UpdateRecorder, max_weight_diff
 
 import keras_accum
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the TF1 prototype's checks use tf.GradientTape"
+)
+
 FEATURES, CLASSES = 20, 3
 
 
