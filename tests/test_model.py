@@ -102,6 +102,19 @@ def test_compile_modes(compile_kwargs, report_diff):
     assert int(accum.optimizer.iterations) == (2 if torch_compile else 6)
 
 
+def test_jit_compile_with_one_sample_per_micro_batch(report_diff):
+    # Micro-batches of one sample under XLA (TensorFlow, JAX) and
+    # `torch.compile` (PyTorch): 16 samples, windows of 4.
+    x, y = regression_data(n=16)
+    plain, accum = _pair(
+        lambda: keras.optimizers.Adam(0.01),
+        compile_kwargs={"jit_compile": True},
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, 1, K, epochs=1)
+    report_diff(diff)
+    assert int(accum.optimizer.iterations) == 4
+
+
 def test_steps_per_execution(report_diff):
     x, y = regression_data()
     plain, accum = _pair(

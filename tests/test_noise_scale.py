@@ -217,6 +217,7 @@ def test_bad_arguments_are_refused(kwargs, error, match):
         keras_accum.PseudoBatchLogger(**kwargs)
 
 
+@pytest.mark.tensorflow_only(reason="TensorFlow's window sums squares")
 @pytest.mark.parametrize("xla", [False, True])
 def test_sum_of_squares_both_ways(xla):
     import tensorflow as tf

@@ -43,12 +43,6 @@ def softmax_regression(model_cls=keras.Model, seed=42, **kwargs):
     return model
 
 
-def test_data_is_deterministic():
-    a, b = data(64), data(64)
-    np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_array_equal(a[1], b[1])
-
-
 def test_same_initial_weights_after_recreating_the_model():
     first = softmax_regression(keras_accum.AccumModel, accum_steps=4)
     second = softmax_regression(keras.Model)
