@@ -29,15 +29,19 @@ from _embedding_worker import (
     embedding_model,
     token_data,
 )
-from _helpers import UpdateRecorder, numpy_weights, run_worker, train_pair
+from _helpers import (
+    UpdateRecorder,
+    numpy_weights,
+    run_in_fresh_process,
+    train_pair,
+)
 
 import keras_accum
 
 BACKEND = keras.backend.backend()
 WORKER = Path(__file__).with_name("_embedding_worker.py")
-ON_TENSORFLOW = pytest.mark.skipif(
-    BACKEND != "tensorflow",
-    reason="only TensorFlow gives `IndexedSlices` gradients",
+ON_TENSORFLOW = pytest.mark.tensorflow_only(
+    reason="only TensorFlow gives `IndexedSlices` gradients"
 )
 
 
@@ -172,7 +176,7 @@ def jax_runs():
         "JAX_PLATFORMS": "cpu",
         "CUDA_VISIBLE_DEVICES": "",
     }
-    results = run_worker([WORKER, *ACROSS], env)
+    results = run_in_fresh_process([WORKER, *ACROSS], env)
     assert results["backend"] == "jax"
     return results["runs"]
 
