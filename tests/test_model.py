@@ -71,9 +71,10 @@ EVERY_BACKEND_OPTIMIZERS = ("sgd", "adam", "adamw_clipped")
 )
 def test_every_optimizer_matches_large_batch(name, report_diff):
     x, y = regression_data()
-    plain, accum = _pair(
-        OPTIMIZERS[name], compile_kwargs={"jit_compile": False}
-    )
+    # TensorFlow without XLA (not every optimizer compiles there); JAX and
+    # PyTorch in their default mode (without `jit`, JAX runs op by op).
+    compile_kwargs = {"jit_compile": False} if BACKEND == "tensorflow" else {}
+    plain, accum = _pair(OPTIMIZERS[name], compile_kwargs=compile_kwargs)
     diff, _, _ = train_pair(plain, accum, x, y, B, K)
     report_diff(diff)
     # 2 epochs of 70 samples at 32: 3 updates each, the last one short.
@@ -576,8 +577,8 @@ def test_update_happens_once_per_window():
 
 
 def test_accum_steps_one_is_a_plain_step_and_can_grow(report_diff):
-    # k = 1 takes a direct path (no accumulators); switching to k = 4 in
-    # the same traced step uses the windows.
+    # k = 1 is the plain step's arithmetic; switching to k = 4 in the same
+    # traced step uses the windows.
     x, y = regression_data(n=64)
     plain = mlp()
     plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -586,9 +587,17 @@ def test_accum_steps_one_is_a_plain_step_and_can_grow(report_diff):
     plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert int(accum.optimizer.iterations) == 8
-    assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
+    if BACKEND == "tensorflow":
+        # TensorFlow's step applies one-micro-batch windows straight from
+        # the gradient; JAX's and PyTorch's go through the window, whose
+        # accumulators keep the last window's sum (docs/guides/backends.md).
+        assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
     diff_one = max_weight_diff(plain, accum)
-    assert diff_one == 0.0  # The very same arithmetic as a plain step.
+    if BACKEND == "jax":
+        # Through the window, which XLA fuses otherwise: float32 rounding.
+        assert diff_one < 1e-6
+    else:
+        assert diff_one == 0.0  # The very same arithmetic as a plain step.
     train_function = accum.train_function
     accum.accum_steps = K
     plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
