@@ -105,15 +105,15 @@ def test_compile_modes(compile_kwargs, report_diff):
 
 def test_jit_compile_with_one_sample_per_micro_batch(report_diff):
     # Micro-batches of one sample under XLA (TensorFlow, JAX) and
-    # `torch.compile` (PyTorch): 16 samples, windows of 4.
-    x, y = regression_data(n=16)
+    # `torch.compile` (PyTorch): 8 samples, windows of 4.
+    x, y = regression_data(n=8)
     plain, accum = _pair(
         lambda: keras.optimizers.Adam(0.01),
         compile_kwargs={"jit_compile": True},
     )
     diff, _, _ = train_pair(plain, accum, x, y, 1, K, epochs=1)
     report_diff(diff)
-    assert int(accum.optimizer.iterations) == 4
+    assert int(accum.optimizer.iterations) == 2
 
 
 def test_steps_per_execution(report_diff):
@@ -141,7 +141,9 @@ def test_steps_per_execution(report_diff):
 # -- Schedules see updates, not micro-steps -----------------------------------
 
 
-@pytest.mark.parametrize("base", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "base", ["sgd", "adam"] if BACKEND == "tensorflow" else ["sgd"]
+)
 def test_learning_rate_schedule_counts_updates(base, report_diff):
     def optimizer():
         schedule = keras.optimizers.schedules.ExponentialDecay(
@@ -164,9 +166,13 @@ def test_learning_rate_schedule_counts_updates(base, report_diff):
 # -- Clipping applies once, to the window's gradient --------------------------
 
 
-@pytest.mark.parametrize(
-    "clip", [{"clipnorm": 0.05}, {"clipvalue": 0.01}, {"global_clipnorm": 0.05}]
-)
+CLIPS = [{"clipnorm": 0.05}, {"clipvalue": 0.01}]
+if BACKEND == "tensorflow":
+    # On JAX and PyTorch the optimizer case adamw_clipped covers it.
+    CLIPS.append({"global_clipnorm": 0.05})
+
+
+@pytest.mark.parametrize("clip", CLIPS)
 def test_gradient_clipping_applies_to_the_window(clip, report_diff):
     x, y = regression_data()
     plain, accum = _pair(
