@@ -7,6 +7,9 @@ The suite runs once per backend (`.ci/test`):
 
 Cases that exist only on TensorFlow carry `@pytest.mark.tensorflow_only`
 (or a module's `pytestmark`) and are skipped, with the reason, elsewhere.
+Slow cases whose coverage another case duplicates on JAX and PyTorch carry
+`@pytest.mark.full_run_only(reason=...)`: they run in the TensorFlow run,
+and the JAX and PyTorch runs skip them naming the covering case.
 """
 
 import os
@@ -33,17 +36,29 @@ def pytest_report_header(config):
     return f"keras backend: {BACKEND} (keras {keras.__version__})"
 
 
+def _reason(marker, default):
+    return marker.kwargs.get("reason") or (
+        marker.args[0] if marker.args else default
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     if BACKEND == "tensorflow":
         return
     for item in items:
         marker = item.get_closest_marker("tensorflow_only")
         if marker is not None:
-            reason = marker.kwargs.get("reason") or (
-                marker.args[0] if marker.args else "TensorFlow only"
-            )
+            reason = _reason(marker, "TensorFlow only")
             item.add_marker(
                 pytest.mark.skip(reason=f"{reason} (backend: {BACKEND})")
+            )
+        marker = item.get_closest_marker("full_run_only")
+        if marker is not None:
+            reason = _reason(marker, "covered by another case")
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"trimmed from the {BACKEND} run: {reason}"
+                )
             )
 
 

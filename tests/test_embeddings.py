@@ -93,7 +93,14 @@ def _pair(name, accum_steps, head=True, **compile_kwargs):
     return reference, accum
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# JAX's and PyTorch's embedding gradients are dense, as every other
+# gradient (tests/test_model.py runs the optimizers there): a few here.
+EVERY_BACKEND = ["adagrad", "adam", "adam_clipnorm"]
+
+
+@pytest.mark.parametrize(
+    "name", sorted(OPTIMIZERS) if BACKEND == "tensorflow" else EVERY_BACKEND
+)
 def test_equals_large_batch_on_the_true_gradient(name, report_diff):
     x, y = token_data()
     reference, accum = _pair(name, K)
@@ -105,7 +112,9 @@ def test_equals_large_batch_on_the_true_gradient(name, report_diff):
 DIRECT = ["adagrad", "adam", "adam_clipnorm", "ftrl", "rmsprop"]
 
 
-@pytest.mark.parametrize("name", DIRECT)
+@pytest.mark.parametrize(
+    "name", DIRECT if BACKEND == "tensorflow" else ["adam"]
+)
 def test_one_micro_batch_window_equals_the_true_gradient(name, report_diff):
     # `accum_steps=1` applies the step's gradient without accumulating it:
     # it must not fall back to Keras's per-occurrence sparse updates.

@@ -53,6 +53,9 @@ def test_moving_statistics_equal_the_large_batch(shape, report_diff):
             assert float(layer.window_count.numpy()) == 0.0
 
 
+@pytest.mark.full_run_only(
+    reason="Keras's own layer, the same on every backend"
+)
 def test_plain_batch_normalization_updates_per_micro_batch():
     # What the opt-in fixes: Keras's layer moves once per micro-batch.
     shape = (4,)

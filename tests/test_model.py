@@ -84,12 +84,23 @@ def test_every_optimizer_matches_large_batch(name, report_diff):
     assert len(accum.weights) == len(plain.weights)
 
 
-@pytest.mark.parametrize(
-    "compile_kwargs",
-    [{"jit_compile": False}, {"jit_compile": True}, {"run_eagerly": True}],
-    ids=["graph", "jit_compile", "run_eagerly"],
-)
-def test_compile_modes(compile_kwargs, report_diff):
+COMPILE_MODES = {
+    "graph": {"jit_compile": False},
+    "jit_compile": {"jit_compile": True},
+    "run_eagerly": {"run_eagerly": True},
+}
+# Without `jit_compile` JAX runs eagerly, as `run_eagerly`; PyTorch runs
+# eagerly unless `jit_compile=True` (`torch.compile`).
+MODES_HERE = {
+    "tensorflow": ["graph", "jit_compile", "run_eagerly"],
+    "jax": ["jit_compile", "run_eagerly"],
+    "torch": ["graph", "jit_compile"],
+}[BACKEND]
+
+
+@pytest.mark.parametrize("mode", MODES_HERE)
+def test_compile_modes(mode, report_diff):
+    compile_kwargs = COMPILE_MODES[mode]
     # On PyTorch `jit_compile=True` is `torch.compile`, which compiles
     # again for each new batch shape: one epoch of 64 samples (one shape).
     torch_compile = BACKEND == "torch" and compile_kwargs.get("jit_compile")
@@ -195,6 +206,9 @@ def test_gradient_clipping_applies_to_the_window(clip, report_diff):
 # -- Sample weights, class weights, regularization ---------------------------
 
 
+@pytest.mark.full_run_only(
+    reason="test_loss_reductions_with_uneven_last_batch weights samples"
+)
 def test_sample_weight(report_diff):
     x, y = regression_data()
     weights = np.random.default_rng(3).uniform(0, 2, size=len(x))
@@ -219,6 +233,9 @@ def test_class_weight(report_diff):
     report_diff(diff)
 
 
+@pytest.mark.full_run_only(
+    reason="test_loss_reductions_with_uneven_last_batch has a regularizer"
+)
 def test_regularization_losses_count_once_per_window(report_diff):
     x, y = regression_data()
     plain, accum = _pair(
