@@ -258,15 +258,16 @@ class _FixedWeights:
         return self._weights
 
 
-@pytest.mark.parametrize("model_fn", [mlp, lambda: accum_mlp(K)])
-def test_empty_dataset_is_what_keras_makes_of_it(model_fn):
+def test_empty_dataset_is_what_keras_makes_of_it():
     # Each backend's Keras answers an empty `tf.data` pipeline its own way,
-    # for a plain model as for an AccumModel (both parametrized): a warning
-    # and no steps on TensorFlow, an error before any step elsewhere.
+    # as for a plain model: a warning and no steps on TensorFlow, an error
+    # before any step elsewhere. (On TensorFlow a plain model also counts
+    # one optimizer iteration for the call that finds no data; the window
+    # counts only updates.)
     import tensorflow as tf
 
     x, y = regression_data(n=32)
-    model = model_fn()
+    model = accum_mlp(K)
     model.compile(optimizer="sgd", loss="mse")
     before = model.get_weights()
     empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(B)
