@@ -170,16 +170,17 @@ def train_pair(
 def train_to_an_open_window(model, x, y, batch_size):
     """Adam on 70 samples, `accum_steps=4`, "carry": 2 updates, 1 open.
 
-    What both backends do before saving a model for the other one.
+    What each backend does before saving a model for another one
+    (test_backends.py).
     """
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
 
 
 def continue_one_epoch(model, x, y, batch_size):
-    """The weights after one more epoch, as lists for JSON."""
+    """The weights after one more epoch."""
     model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
-    return [np.asarray(w).tolist() for w in model.get_weights()]
+    return model.get_weights()
 
 
 def numpy_weights(model, seed=1):
@@ -197,62 +198,6 @@ def numpy_weights(model, seed=1):
     )
 
 
-def _fit_two_epochs(model, x, y, batch_size, logger):
-    return model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[logger],
-    )
-
-
-def log_pseudo_batches(model, x, y, batch_size):
-    """Adam, 2 epochs with `PseudoBatchLogger()`; what it logged, for JSON.
-
-    What both backends run to compare their pseudo-batch losses.
-    """
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    logger = keras_accum.PseudoBatchLogger()
-    history = _fit_two_epochs(model, x, y, batch_size, logger)
-    return {
-        "updates": [
-            [u.update, u.loss, u.samples, u.micro_batches]
-            for u in logger.updates
-        ],
-        "loss_mean": history.history["pseudo_batch_loss_mean"],
-        "loss_std": history.history["pseudo_batch_loss_std"],
-    }
-
-
-def log_noise_scale(model, x, y, batch_size):
-    """SGD, 2 epochs with `PseudoBatchLogger(noise_scale=True,
-    noise_scale_every=2)`; what it estimated, for JSON (NaN as None).
-
-    What every backend runs to compare its noise-scale estimates.
-    """
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    logger = keras_accum.PseudoBatchLogger(
-        noise_scale=True, noise_scale_every=2
-    )
-    history = _fit_two_epochs(model, x, y, batch_size, logger)
-
-    def number(value):
-        return None if np.isnan(value) else float(value)
-
-    return {
-        "updates": [
-            [u.update, u.micro_batches, number(u.trace), number(u.grad_sq)]
-            for u in logger.updates
-        ],
-        "noise_scale": [
-            number(v) for v in history.history["pseudo_batch_noise_scale"]
-        ],
-    }
-
-
 def tensorboard_scalars(directory, tag):
     """`(step, value)` of the scalars `tag` in the event files there."""
     import tensorflow as tf
@@ -268,11 +213,12 @@ def tensorboard_scalars(directory, tag):
     return scalars
 
 
-def run_worker(args, env):
+def run_in_fresh_process(args, env):
     """Runs `python *args` in a fresh process; returns its RESULTS JSON.
 
-    The workers print one line `RESULTS {...}` with what they measured;
-    tests assert on it. A crash fails here with the worker's stderr.
+    For what one process cannot hold: `tf.distribute`'s logical devices
+    and workers (test_distribute.py), Keras on JAX beside TensorFlow
+    (test_embeddings.py). The script prints one line `RESULTS {...}`.
     """
     result = subprocess.run(
         [sys.executable, *map(str, args)],

@@ -1,12 +1,65 @@
-"""Test setup: TensorFlow backend, quiet logs, deterministic Keras."""
+"""Test setup: the backend from `KERAS_BACKEND` (default TensorFlow), quiet
+logs, deterministic Keras.
+
+The suite runs once per backend (`.ci/test`):
+
+    KERAS_BACKEND=jax .venv/bin/python -m pytest -q
+
+Cases that exist only on TensorFlow carry `@pytest.mark.tensorflow_only`
+(or a module's `pytestmark`) and are skipped, with the reason, elsewhere.
+Slow cases whose coverage another case duplicates on JAX and PyTorch carry
+`@pytest.mark.full_run_only(reason=...)`: they run in the TensorFlow run,
+and the JAX and PyTorch runs skip them naming the covering case.
+"""
 
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if os.environ["KERAS_BACKEND"] == "jax":
+    # The equivalence is measured on CPU; two CPU devices for
+    # `keras.distribution` (tests/test_model.py). Before JAX is imported.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            flags + " --xla_force_host_platform_device_count=2"
+        ).strip()
 
 import keras
 import pytest
+
+BACKEND = keras.backend.backend()
+
+
+def pytest_report_header(config):
+    return f"keras backend: {BACKEND} (keras {keras.__version__})"
+
+
+def _reason(marker, default):
+    return marker.kwargs.get("reason") or (
+        marker.args[0] if marker.args else default
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND == "tensorflow":
+        return
+    for item in items:
+        marker = item.get_closest_marker("tensorflow_only")
+        if marker is not None:
+            reason = _reason(marker, "TensorFlow only")
+            item.add_marker(
+                pytest.mark.skip(reason=f"{reason} (backend: {BACKEND})")
+            )
+        marker = item.get_closest_marker("full_run_only")
+        if marker is not None:
+            reason = _reason(marker, "covered by another case")
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"trimmed from the {BACKEND} run: {reason}"
+                )
+            )
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +86,8 @@ def pytest_terminal_summary(terminalreporter):
     if not _EQUIVALENCE:
         return
     terminalreporter.section(
-        "equivalence with plain large-batch training: max |difference|"
+        f"equivalence with plain large-batch training on {BACKEND}: "
+        "max |difference|"
     )
     for label, value in _EQUIVALENCE:
         terminalreporter.write_line(f"{value:10.3e}  {label}")

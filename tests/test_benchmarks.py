@@ -6,6 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the benchmark scripts run on TensorFlow"
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

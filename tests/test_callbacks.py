@@ -15,10 +15,13 @@ from _helpers import (
 
 import keras_accum
 
+BACKEND = keras.backend.backend()
 B, K = 8, 4
+# Keras's PyTorch trainer runs one step per call (tests/test_model.py).
+STEPS_PER_EXECUTION = [1] if BACKEND == "torch" else [1, 3]
 
 
-def plain_step_losses(x, y, sample_weight=None, epochs=2, **compile_kwargs):
+def plain_step_losses(x, y, sample_weight=None, epochs=2):
     """A plain model's per-step loss at batch B*K: each batch's loss at the
     weights before its update, evaluated independently of Keras's logs."""
     model = mlp(
@@ -81,7 +84,7 @@ def accum_logged(x, y, sample_weight=None, epochs=2, **compile_kwargs):
     return logger, history.history
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize("steps_per_execution", STEPS_PER_EXECUTION)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_pseudo_batch_losses_equal_plain_large_batch_steps(
     steps_per_execution, weighted, report_diff
@@ -162,7 +165,9 @@ def test_long_epochs_do_not_lose_updates():
     # More updates per epoch than the in-graph ring holds (256).
     x, y = regression_data(n=700)
     model = accum_mlp(1)
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.compile(
+        optimizer="sgd", loss="mse", steps_per_execution=STEPS_PER_EXECUTION[-1]
+    )
     logger = keras_accum.PseudoBatchLogger()
     model.fit(x, y, batch_size=2, verbose=0, callbacks=[logger])
     assert [u.update for u in logger.updates] == list(range(1, 351))

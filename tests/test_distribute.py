@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import run_worker
+from _helpers import run_in_fresh_process
+
+pytestmark = pytest.mark.tensorflow_only(reason="tf.distribute strategies")
 
 WORKER = Path(__file__).with_name("_distributed_worker.py")
 CASES = {
@@ -47,7 +49,7 @@ def _check(results, report_diff, label):
 
 
 def test_mirrored_strategy_two_logical_cpus(report_diff):
-    results = run_worker([WORKER, "mirrored"], _env())
+    results = run_in_fresh_process([WORKER, "mirrored"], _env())
     _check(results, report_diff, "Mirrored, 2 CPUs")
 
 

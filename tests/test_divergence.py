@@ -2,8 +2,7 @@
 
 Each test here failed on an earlier version (the figure it measured then is
 in its docstring) and now either equals plain large-batch training or
-fails loudly. The module is written for every backend: `test_backends.py`
-runs it again under JAX and PyTorch.
+fails loudly. The module runs under every backend.
 """
 
 import keras

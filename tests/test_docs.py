@@ -11,6 +11,10 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the documentation's code is TensorFlow's; the site is built once"
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

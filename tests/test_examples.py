@@ -6,6 +6,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the examples run on TensorFlow (tf.data, tensorflow-datasets)"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

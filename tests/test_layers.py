@@ -30,6 +30,12 @@ def test_moving_statistics_equal_the_large_batch(shape, report_diff):
         shape,
         accum_steps=K,
     )
+    # The layer has window variables besides BatchNormalization's, so the
+    # backend's seed stream may initialise the weights differently.
+    for mine, theirs in zip(
+        accum.trainable_weights, plain.trainable_weights, strict=True
+    ):
+        mine.assign(theirs.numpy())
     plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
     diff = 0.0
@@ -47,6 +53,9 @@ def test_moving_statistics_equal_the_large_batch(shape, report_diff):
             assert float(layer.window_count.numpy()) == 0.0
 
 
+@pytest.mark.full_run_only(
+    reason="Keras's own layer, the same on every backend"
+)
 def test_plain_batch_normalization_updates_per_micro_batch():
     # What the opt-in fixes: Keras's layer moves once per micro-batch.
     shape = (4,)

@@ -48,6 +48,9 @@ def _linear(model_cls, **kwargs):
     return model_cls(inputs, keras.layers.Dense(4)(inputs), **kwargs)
 
 
+@pytest.mark.tensorflow_only(
+    reason="counts the tf.data pipelines Keras's TensorFlow trainer builds"
+)
 def test_fit_on_arrays_builds_no_second_pipeline(pipelines_built):
     """Before: the window was built from the spec of a second pipeline of
     the arrays (2 per `fit` where plain Keras builds 1)."""

@@ -1,9 +1,15 @@
-"""AccumModel at batch B with accum_steps=k equals keras.Model at batch B*k."""
+"""AccumModel at batch B with accum_steps=k equals keras.Model at batch B*k.
+
+Runs under every `KERAS_BACKEND`. Where a backend differs legitimately
+(PyTorch's `jit_compile=True` is `torch.compile`, Keras's PyTorch trainer
+and `steps_per_execution`, `keras.distribution` on JAX), the case asserts
+each backend's behaviour. TensorFlow runs every optimizer; JAX and PyTorch
+a few, as the window code they share with it is the same for all.
+"""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from _helpers import (
     accum_mlp,
     assert_same_weights,
@@ -16,6 +22,7 @@ from _helpers import (
 
 import keras_accum
 
+BACKEND = keras.backend.backend()
 B, K = 8, 4  # 70 samples: windows of 4, 4 and a short one (2 + 6 samples).
 
 
@@ -49,30 +56,75 @@ OPTIMIZERS = {
     "lamb": lambda: keras.optimizers.Lamb(0.01),
     "adafactor": lambda: keras.optimizers.Adafactor(0.01),
     "sgd_ema": lambda: keras.optimizers.SGD(0.1, use_ema=True),
+    # Decoupled weight decay and clipping both see the window's gradient.
+    "adamw_clipped": lambda: keras.optimizers.AdamW(
+        0.01, weight_decay=0.05, global_clipnorm=0.5
+    ),
 }
+# On JAX and PyTorch: a stateless, a stateful and a decoupled-decay one.
+EVERY_BACKEND_OPTIMIZERS = ("sgd", "adam", "adamw_clipped")
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "name",
+    sorted(OPTIMIZERS) if BACKEND == "tensorflow" else EVERY_BACKEND_OPTIMIZERS,
+)
 def test_every_optimizer_matches_large_batch(name, report_diff):
     x, y = regression_data()
-    plain, accum = _pair(
-        OPTIMIZERS[name], compile_kwargs={"jit_compile": False}
-    )
+    # TensorFlow without XLA (not every optimizer compiles there); JAX and
+    # PyTorch in their default mode (without `jit`, JAX runs op by op).
+    compile_kwargs = {"jit_compile": False} if BACKEND == "tensorflow" else {}
+    plain, accum = _pair(OPTIMIZERS[name], compile_kwargs=compile_kwargs)
     diff, _, _ = train_pair(plain, accum, x, y, B, K)
     report_diff(diff)
     # 2 epochs of 70 samples at 32: 3 updates each, the last one short.
     assert int(accum.optimizer.iterations) == 6
+    assert accum.mini_step == 0
+    # The window's state is not a weight of the model.
+    assert len(accum.weights) == len(plain.weights)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_jit_compile_true_and_false(jit_compile, report_diff):
-    x, y = regression_data()
+COMPILE_MODES = {
+    "graph": {"jit_compile": False},
+    "jit_compile": {"jit_compile": True},
+    "run_eagerly": {"run_eagerly": True},
+}
+# Without `jit_compile` JAX runs eagerly, as `run_eagerly`; PyTorch runs
+# eagerly unless `jit_compile=True` (`torch.compile`).
+MODES_HERE = {
+    "tensorflow": ["graph", "jit_compile", "run_eagerly"],
+    "jax": ["jit_compile", "run_eagerly"],
+    "torch": ["graph", "jit_compile"],
+}[BACKEND]
+
+
+@pytest.mark.parametrize("mode", MODES_HERE)
+def test_compile_modes(mode, report_diff):
+    compile_kwargs = COMPILE_MODES[mode]
+    # On PyTorch `jit_compile=True` is `torch.compile`, which compiles
+    # again for each new batch shape: one epoch of 64 samples (one shape).
+    torch_compile = BACKEND == "torch" and compile_kwargs.get("jit_compile")
+    n, epochs = (64, 1) if torch_compile else (70, 2)
+    x, y = regression_data(n=n)
+    plain, accum = _pair(
+        lambda: keras.optimizers.Adam(0.01), compile_kwargs=compile_kwargs
+    )
+    diff, _, _ = train_pair(plain, accum, x, y, B, K, epochs=epochs)
+    report_diff(diff)
+    assert int(accum.optimizer.iterations) == (2 if torch_compile else 6)
+
+
+def test_jit_compile_with_one_sample_per_micro_batch(report_diff):
+    # Micro-batches of one sample under XLA (TensorFlow, JAX) and
+    # `torch.compile` (PyTorch): 8 samples, windows of 4.
+    x, y = regression_data(n=8)
     plain, accum = _pair(
         lambda: keras.optimizers.Adam(0.01),
-        compile_kwargs={"jit_compile": jit_compile},
+        compile_kwargs={"jit_compile": True},
     )
-    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    diff, _, _ = train_pair(plain, accum, x, y, 1, K, epochs=1)
     report_diff(diff)
+    assert int(accum.optimizer.iterations) == 2
 
 
 def test_steps_per_execution(report_diff):
@@ -81,14 +133,28 @@ def test_steps_per_execution(report_diff):
         lambda: keras.optimizers.Adam(0.01),
         compile_kwargs={"steps_per_execution": 3},
     )
+    if BACKEND == "torch":
+        # Keras's PyTorch trainer runs one step per call and refuses more,
+        # for the plain model as for the window.
+        for model in (plain, accum):
+            with pytest.raises(
+                ValueError,
+                match="`steps_per_execution` must be 1 with the PyTorch",
+            ):
+                model.fit(x, y, batch_size=B, verbose=0)
+            assert int(model.optimizer.iterations) == 0
+        return
     diff, _, _ = train_pair(plain, accum, x, y, B, K, compare_each_update=False)
     report_diff(diff)
+    assert int(accum.optimizer.iterations) == 6
 
 
 # -- Schedules see updates, not micro-steps -----------------------------------
 
 
-@pytest.mark.parametrize("base", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "base", ["sgd", "adam"] if BACKEND == "tensorflow" else ["sgd"]
+)
 def test_learning_rate_schedule_counts_updates(base, report_diff):
     def optimizer():
         schedule = keras.optimizers.schedules.ExponentialDecay(
@@ -111,9 +177,13 @@ def test_learning_rate_schedule_counts_updates(base, report_diff):
 # -- Clipping applies once, to the window's gradient --------------------------
 
 
-@pytest.mark.parametrize(
-    "clip", [{"clipnorm": 0.05}, {"clipvalue": 0.01}, {"global_clipnorm": 0.05}]
-)
+CLIPS = [{"clipnorm": 0.05}, {"clipvalue": 0.01}]
+if BACKEND == "tensorflow":
+    # On JAX and PyTorch the optimizer case adamw_clipped covers it.
+    CLIPS.append({"global_clipnorm": 0.05})
+
+
+@pytest.mark.parametrize("clip", CLIPS)
 def test_gradient_clipping_applies_to_the_window(clip, report_diff):
     x, y = regression_data()
     plain, accum = _pair(
@@ -136,6 +206,9 @@ def test_gradient_clipping_applies_to_the_window(clip, report_diff):
 # -- Sample weights, class weights, regularization ---------------------------
 
 
+@pytest.mark.full_run_only(
+    reason="test_loss_reductions_with_uneven_last_batch weights samples"
+)
 def test_sample_weight(report_diff):
     x, y = regression_data()
     weights = np.random.default_rng(3).uniform(0, 2, size=len(x))
@@ -160,6 +233,9 @@ def test_class_weight(report_diff):
     report_diff(diff)
 
 
+@pytest.mark.full_run_only(
+    reason="test_loss_reductions_with_uneven_last_batch has a regularizer"
+)
 def test_regularization_losses_count_once_per_window(report_diff):
     x, y = regression_data()
     plain, accum = _pair(
@@ -171,6 +247,72 @@ def test_regularization_losses_count_once_per_window(report_diff):
     )
     diff, _, _ = train_pair(plain, accum, x, y, B, K)
     report_diff(diff)
+
+
+def test_a_weight_the_loss_never_reaches(report_diff):
+    # A trainable layer the loss never reaches, under AdamW with weight
+    # decay. What the plain step does with it, the window does too: JAX
+    # gives it a zero gradient (weight decay moves it), TensorFlow and
+    # PyTorch none (it stays).
+    def build(model_cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,))
+        model = model_cls(inputs, keras.layers.Dense(3)(inputs), **kwargs)
+        model.unused = keras.layers.Dense(2)
+        model.unused.build((None, 5))
+        model.compile(
+            optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1),
+            loss="mse",
+        )
+        return model
+
+    x, y = regression_data(n=64)
+    plain = build(keras.Model)
+    accum = build(keras_accum.AccumModel, accum_steps=K)
+    accum.set_weights(plain.get_weights())
+    assert len(accum.trainable_weights) == 4
+    unused_before = [w.copy() for w in plain.unused.get_weights()]
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff)
+    assert int(accum.optimizer.iterations) == 4
+    moved = max(
+        float(np.max(np.abs(u - v)))
+        for u, v in zip(plain.unused.get_weights(), unused_before, strict=True)
+    )
+    assert (moved > 0) is (BACKEND == "jax"), moved
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="keras.distribution.DataParallel is JAX's"
+)
+def test_jax_data_parallel_on_two_devices(report_diff):
+    # Two CPU devices (conftest.py sets XLA's host device count), against
+    # a plain model under the same distribution; the last micro-batch
+    # holds 6 samples, 3 per device.
+    import jax
+
+    devices = jax.devices()
+    assert len(devices) == 2
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=devices)
+    )
+    try:
+        x, y = regression_data(n=70)
+        plain, accum = _pair(lambda: keras.optimizers.Adam(0.01))
+        accum.set_weights(plain.get_weights())
+        diff, _, _ = train_pair(plain, accum, x, y, B, K)
+        report_diff(diff, "JAX DataParallel, 2 devices")
+        # 70 samples: windows of 4, 4 and 1 micro-batches per epoch.
+        assert int(accum.optimizer.iterations) == 6
+        # The accumulators are laid out like the weights they sum.
+        for accumulator, variable in zip(
+            accum.accumulators, accum.trainable_variables, strict=True
+        ):
+            assert str(accumulator.value.sharding) == str(
+                variable.value.sharding
+            )
+    finally:
+        keras.distribution.set_distribution(None)
 
 
 # -- Loss reductions, with an uneven last batch ------------------------------
@@ -288,10 +430,41 @@ def test_partial_window_applied_before_validation_and_callbacks(report_diff):
 
 
 def _unknown_length(x, y, batch_size):
+    """Batches in order, with no length, in the backend's own kind of
+    input: a `tf.data` pipeline (TensorFlow, JAX) or a PyTorch
+    `DataLoader` over an `IterableDataset`."""
+    if BACKEND == "torch":
+        import torch
+
+        class Batches(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for start in range(0, len(x), batch_size):
+                    yield (
+                        x[start : start + batch_size],
+                        y[start : start + batch_size],
+                    )
+
+        return torch.utils.data.DataLoader(Batches(), batch_size=None)
+    import tensorflow as tf
+
     ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
     ds = ds.batch(batch_size)
     assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
     return ds
+
+
+def _known_length(x, y, batch_size):
+    """The same batches with a known length."""
+    if BACKEND == "torch":
+        import torch
+
+        data = torch.utils.data.TensorDataset(
+            torch.from_numpy(x), torch.from_numpy(y)
+        )
+        return torch.utils.data.DataLoader(data, batch_size=batch_size)
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
 
 def test_unknown_steps_per_epoch_applies_after_last_step(report_diff):
@@ -302,9 +475,8 @@ def test_unknown_steps_per_epoch_applies_after_last_step(report_diff):
     # The reference sees the same batches with a known length: Keras 3.15
     # itself counts one extra optimizer iteration per epoch (without
     # changing weights) when the length is unknown.
-    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(B * K)
     plain_hist = plain.fit(
-        known,
+        _known_length(x, y, B * K),
         epochs=3,
         verbose=0,
         validation_data=(xv, yv),
@@ -403,19 +575,17 @@ def test_update_happens_once_per_window():
     model = accum_mlp(K)
     model.compile(optimizer="sgd", loss="mse")
     seen = []
-    model.fit(
-        x,
-        y,
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            keras.callbacks.LambdaCallback(
-                on_train_batch_end=lambda b, logs: seen.append(
-                    (model.mini_step, int(model.optimizer.iterations))
-                )
+
+    class Window(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            # `self.model`, not `model`: on JAX it brings the state of
+            # the step into the model's variables first.
+            seen.append(
+                (self.model.mini_step, int(self.model.optimizer.iterations))
             )
-        ],
+
+    model.fit(
+        x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[Window()]
     )
     assert seen == [
         (1, 0),
@@ -430,8 +600,8 @@ def test_update_happens_once_per_window():
 
 
 def test_accum_steps_one_is_a_plain_step_and_can_grow(report_diff):
-    # k = 1 takes a direct path (no accumulators); switching to k = 4 in
-    # the same traced step uses the windows.
+    # k = 1 is the plain step's arithmetic; switching to k = 4 in the same
+    # traced step uses the windows.
     x, y = regression_data(n=64)
     plain = mlp()
     plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -440,9 +610,17 @@ def test_accum_steps_one_is_a_plain_step_and_can_grow(report_diff):
     plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert int(accum.optimizer.iterations) == 8
-    assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
+    if BACKEND == "tensorflow":
+        # TensorFlow's step applies one-micro-batch windows straight from
+        # the gradient; JAX's and PyTorch's go through the window, whose
+        # accumulators keep the last window's sum (docs/guides/backends.md).
+        assert all(np.all(a.numpy() == 0) for a in accum.accumulators)
     diff_one = max_weight_diff(plain, accum)
-    assert diff_one == 0.0  # The very same arithmetic as a plain step.
+    if BACKEND == "jax":
+        # Through the window, which XLA fuses otherwise: float32 rounding.
+        assert diff_one < 1e-6
+    else:
+        assert diff_one == 0.0  # The very same arithmetic as a plain step.
     train_function = accum.train_function
     accum.accum_steps = K
     plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
@@ -612,8 +790,8 @@ def test_unsupported_backends_are_refused_with_how_to_select_one():
         "i = keras.Input((2,))\n"
         "keras_accum.AccumModel(i, keras.layers.Dense(1)(i), accum_steps=2)\n"
     )
-    # TensorFlow, JAX and PyTorch are supported (see test_backends.py); Keras's
-    # inference-only NumPy backend is not.
+    # TensorFlow, JAX and PyTorch are supported; Keras's inference-only
+    # NumPy backend is not.
     env = {**__import__("os").environ, "KERAS_BACKEND": "numpy"}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
@@ -627,25 +805,47 @@ def test_unsupported_backends_are_refused_with_how_to_select_one():
 # -- Serialization ------------------------------------------------------------
 
 
-def test_save_and_load_round_trip(tmp_path):
-    x, y = regression_data()
-    model = accum_mlp(3, partial_window="carry")
+def test_save_and_load_round_trip(tmp_path, report_diff):
+    x, y = regression_data(n=70)
+    model = accum_mlp(K, partial_window="carry")
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.fit(x, y, batch_size=B, verbose=0)
-    assert model.get_config()["accum_steps"] == 3
+    # 9 micro-batches: 2 updates and one micro-batch left open.
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert (model.mini_step, int(model.optimizer.iterations)) == (1, 2)
+    assert model.get_config()["accum_steps"] == K
     path = tmp_path / "m.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
     assert isinstance(loaded, keras_accum.AccumModel)
-    assert loaded.accum_steps == 3
+    assert loaded.accum_steps == K
     assert loaded.partial_window == "carry"
     assert_same_weights(loaded, model, atol=0)
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
     )
-    # Optimizer state came back too: training continues identically.
-    loaded.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    assert int(loaded.optimizer.iterations) > int(model.optimizer.iterations)
+    # The window open at the save came back with it, and the optimizer.
+    assert (loaded.mini_step, int(loaded.optimizer.iterations)) == (1, 2)
+    for saved, restored in zip(
+        model.accumulators, loaded.accumulators, strict=True
+    ):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(restored),
+            keras.ops.convert_to_numpy(saved),
+        )
+    # So training continues identically: one more epoch of each equals
+    # the run that was never saved (the open micro-batch starts a window
+    # of 4 with 3 new ones: 2 more updates, 2 micro-batches left open).
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert (loaded.mini_step, int(loaded.optimizer.iterations)) == (2, 4)
+    assert (model.mini_step, int(model.optimizer.iterations)) == (2, 4)
+    assert_same_weights(loaded, model, atol=1e-6)
+    report_diff(max_weight_diff(model, loaded), "saved, loaded, 1 more epoch")
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, verbose=0),
+        model.evaluate(x, y, verbose=0),
+        rtol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("kind", ["subclass", "from_model_subclassed"])
