@@ -18,24 +18,16 @@ def _optimizer():
 
 
 def _count_traces(model):
-    """Counts traces of `model`'s train step (Python runs once per trace).
-
-    The step Keras jits: `train_step` on TensorFlow; on JAX the model's
-    JAX step while it has its own (`_jax_train_step`), else `train_step`.
-    """
+    """Counts traces of `model`'s train step (Python runs once per trace):
+    `train_step`, the step Keras compiles on every backend."""
     model.traces = 0
-    name = (
-        "_jax_train_step"
-        if hasattr(model, "_jax_train_step")
-        else ("train_step")
-    )
-    step = getattr(model, name)
+    step = model.train_step
 
     def counted(*args):
         model.traces += 1
         return step(*args)
 
-    setattr(model, name, counted)
+    model.train_step = counted
 
 
 def _assert_traced_once(model, batch_shapes=1):
