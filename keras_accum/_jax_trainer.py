@@ -24,23 +24,13 @@ import jax
 import keras
 
 from keras_accum import _window
-from keras_accum._backend_support import check_model
 from keras_accum._trainer import AccumTrainer
-from keras_accum._window import WindowState
 
 
 class JaxAccumTrainer(AccumTrainer):
     """Accumulation for Keras's JAX trainer; a base of `AccumModel` on JAX."""
 
     _TRAIN_STEP_ARGS = "state, data"
-
-    def _create_window(self, length, close_hooks):
-        check_model(self)
-        if not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        return WindowState(
-            self.trainable_weights, length, close_hooks=close_hooks
-        )
 
     # -- Building the window state before tracing -----------------------------
 
@@ -105,11 +95,6 @@ class JaxAccumTrainer(AccumTrainer):
         super().jax_state_sync()
 
     # -- The train step -------------------------------------------------------
-
-    def make_train_function(self, force=False):
-        if self.train_function is None or force:
-            check_model(self)
-        return super().make_train_function(force=force)
 
     def _check_length_in_step(self, length, updates, message):
         if isinstance(length, jax.core.Tracer):

@@ -19,21 +19,11 @@ import keras
 import torch
 
 from keras_accum import _window
-from keras_accum._backend_support import check_model
 from keras_accum._trainer import AccumTrainer
-from keras_accum._window import WindowState
 
 
 class TorchAccumTrainer(AccumTrainer):
     """Accumulation for Keras's PyTorch trainer; a base of `AccumModel`."""
-
-    def _create_window(self, length, close_hooks):
-        check_model(self)
-        if not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        return WindowState(
-            self.trainable_weights, length, close_hooks=close_hooks
-        )
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -57,11 +47,6 @@ class TorchAccumTrainer(AccumTrainer):
                 "registered_name": None,
             }
         return config
-
-    def make_train_function(self, force=False):
-        if self.train_function is None or force:
-            check_model(self)
-        return super().make_train_function(force=force)
 
     def train_step(self, data):
         # Unpack.

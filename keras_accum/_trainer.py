@@ -20,8 +20,9 @@ import keras
 from keras import ops
 
 from keras_accum import _compat
+from keras_accum._backend_support import check_model
 from keras_accum._validation import steps_for_epoch
-from keras_accum._window import COUNT_DTYPE
+from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_log import read_int
 from keras_accum.layers import AccumBatchNormalization
 
@@ -31,8 +32,9 @@ _SUM_REDUCTIONS = ("sum", "none", None)
 class AccumTrainer:
     """The backend-neutral half of `AccumModel`'s training.
 
-    Backends provide `train_step`, `_create_window(length, hooks)` and
-    `_make_flush_function()`, and may override `_check_length_in_step`.
+    Backends provide `train_step` and `_make_flush_function()`, and may
+    override `_create_window(length, hooks)` (TensorFlow's is per replica)
+    and `_check_length_in_step`.
     """
 
     # The arguments of the backend's `train_step`, for error messages.
@@ -97,6 +99,14 @@ class AccumTrainer:
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
 
+    def _create_window(self, length, close_hooks):
+        check_model(self)
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+        return WindowState(
+            self.trainable_weights, length, close_hooks=close_hooks
+        )
+
     def _window_close_hooks(self):
         """`hook(applied, closing)` of each layer that follows the window."""
         batch_norms = [
@@ -148,6 +158,7 @@ class AccumTrainer:
     def make_train_function(self, force: bool = False):
         if self.train_function is not None and not force:
             return self.train_function
+        check_model(self)
         # Set when the traced (or eager) step reaches the window.
         self._window_stepped = False
         super().make_train_function(force=force)
