@@ -22,7 +22,11 @@ from keras import ops
 from keras_accum import _compat
 from keras_accum._backend_support import check_model
 from keras_accum._validation import steps_for_epoch
-from keras_accum._window import COUNT_DTYPE, WindowState
+from keras_accum._window import (
+    COUNT_DTYPE,
+    WindowState,
+    next_window_length,
+)
 from keras_accum._window_log import read_int
 from keras_accum.layers import AccumBatchNormalization
 
@@ -195,7 +199,8 @@ class AccumTrainer:
         is divided by the total of those at apply time: the mean over the
         window, not a mean of means. The weight is applied to the float32
         gradient, not to the loss, so that backpropagation (float16 under
-        mixed precision) sees the magnitudes a plain step sees.
+        mixed precision) sees the magnitudes a plain step sees: at batch
+        `B`, or under a `LossScaleOptimizer` the large batch's.
         """
         reduction, normalizer = self._loss_normalizer(
             y, y_pred, sample_weight, batch_size
@@ -210,7 +215,23 @@ class AccumTrainer:
             return loss - later * regularization, one, zero
         normalizer = ops.cast(normalizer, "float32")
         objective = _compat.unscale_loss_for_distribution(loss)
-        return objective, normalizer, normalizer
+        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return objective, normalizer, normalizer
+        # Under loss scaling, float16 backpropagation should carry the
+        # magnitudes of the large batch's, not of a micro-batch's: its
+        # mean divides each sample's gradient by the window's size, about
+        # `length` times the micro-batch's. Differentiating a mean over the
+        # micro-batch would overflow at a `length` times lower scale (the
+        # dynamic scale would then skip windows the large batch applies).
+        # The float32 weight gives the factor back.
+        length = self._window_length_for(w)
+        objective = objective / ops.cast(length, objective.dtype)
+        return objective, normalizer * ops.cast(length, "float32"), normalizer
+
+    def _window_length_for(self, w):
+        """The length of the window this step's micro-batch belongs to."""
+        scheduled = self._scheduled_length(self.optimizer.iterations)
+        return next_window_length(w.values(), scheduled)
 
     def _regularization_loss(self, dtype):
         losses = [self._aggregate_additional_loss(v) for v in self.losses]

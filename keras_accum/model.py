@@ -24,6 +24,7 @@ from keras_accum._compat import (
     auto_name,
     functional_like_constructor,
 )
+from keras_accum._files import replaced_whole
 from keras_accum._validation import check_accum_schedule, check_partial_window
 from keras_accum._window_epochs import WindowEpochs
 from keras_accum._window_log import read_int
@@ -508,6 +509,24 @@ class AccumModel(_Trainer, keras.Model):
             self.optimizer.build(self.trainable_variables)
             # Before the weights load, so that an open window loads too.
             self._ensure_window()
+
+    def save(self, filepath, overwrite: bool = True, **kwargs: Any) -> None:
+        # Whole or not at all (`_files.py`): a process killed during the
+        # write leaves the previous file, not a torn one.
+        if kwargs.get("zipped") is False:
+            return super().save(filepath, overwrite=overwrite, **kwargs)
+        with replaced_whole(filepath, ".keras", overwrite) as path:
+            return super().save(path, overwrite=overwrite, **kwargs)
+
+    def save_weights(
+        self, filepath, overwrite: bool = True, **kwargs: Any
+    ) -> None:
+        # As `save`; `BackupAndRestore` keeps its only backup this way.
+        if kwargs.get("max_shard_size") is not None:
+            # Several files, written in place as Keras writes them.
+            return super().save_weights(filepath, overwrite, **kwargs)
+        with replaced_whole(filepath, ".weights.h5", overwrite) as path:
+            return super().save_weights(path, overwrite, **kwargs)
 
     def load_weights(self, filepath, *args: Any, **kwargs: Any) -> None:
         if getattr(self, "optimizer", None) is not None and self.built:

@@ -118,3 +118,29 @@ def test_memory_sweep_child_smoke():
     row = _memory_child("tensorflow", "--sweep-child", "accum", "64")
     assert row["data_bytes"] == 64 * 64 * 64 * 3 * 4 + 64 * 4
     assert row["peak_bytes"] > 0
+
+
+def test_loss_scale_script_smoke(tmp_path):
+    out = tmp_path / "loss_scale.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_loss_scale.py"),
+            "--backends=tensorflow",
+            "--scales=16,18",
+            "--dynamic-updates=2",
+            f"--out={out}",
+        ],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    one = json.loads(out.read_text())["tensorflow"]["one_update"]
+    # The guide's threshold: both apply at 2^16 and overflow at 2^18.
+    for variant in ("large", "accum"):
+        assert [row["skipped"] for row in one[variant]] == [False, True]
+    assert one["accum"][0]["relative_error"] < 1e-3
+    assert "| 16 |" in result.stdout

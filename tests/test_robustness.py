@@ -1,6 +1,11 @@
 """Faults and bad input: mixed precision, non-finite gradients, saving and
 resuming mid-window, refusals, and a property test of the promise."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -110,6 +115,54 @@ def test_nan_under_loss_scaling_lowers_the_scale_like_a_large_batch(policy):
     assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
     assert accum.skipped_windows == 1
     assert_same_weights(plain, accum, atol=1e-4)
+
+
+def _overflow_prone(model_cls, **kwargs):
+    """Targets of size ~6: at a loss scale of 2^16 float16 backpropagation
+    of a batch of 64 is near its overflow (benchmarks/bench_loss_scale.py)."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(64, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(64, activation="tanh")(hidden)
+    model = model_cls(inputs, keras.layers.Dense(4)(hidden), **kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = x @ rng.normal(size=(32, 4)).astype("float32")
+    return model, x, y
+
+
+@pytest.mark.parametrize("log2_scale", [16, 18])
+def test_loss_scale_overflows_where_the_large_batch_does(policy, log2_scale):
+    """Before: each micro-batch was backpropagated as the mean over itself,
+    so float16 carried k times the large batch's per-sample magnitudes; at
+    2^16 the window overflowed (update skipped, scale halved) where the
+    large batch applied its update, on every backend. At 2^18 both skip."""
+    policy("mixed_float16")
+    runs = {}
+    for name, cls, kwargs, batch in (
+        ("plain", keras.Model, {}, 64),
+        ("accum", keras_accum.AccumModel, {"accum_steps": 8}, 8),
+    ):
+        model, x, y = _overflow_prone(cls, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.01),
+                initial_scale=2.0**log2_scale,
+                dynamic_growth_steps=1000,
+            ),
+            loss="mse",
+        )
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+        runs[name] = model
+    plain, accum = runs["plain"], runs["accum"]
+    applied = int(plain.optimizer.iterations)
+    assert applied == (1 if log2_scale == 16 else 0)
+    assert int(accum.optimizer.iterations) == applied
+    assert float(accum.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy()
+    )
+    assert accum.skipped_windows == 1 - applied
+    assert_same_weights(plain, accum, atol=1e-3)
 
 
 # -- Saving and resuming mid-window ------------------------------------------
@@ -229,6 +282,78 @@ def test_backup_and_restore_resumes_an_open_window(tmp_path, report_diff):
         rtol=1e-6,
     )
     report_diff(max_weight_diff(reference, second), "BackupAndRestore resume")
+
+
+def _killed_during_backup(backup_dir, kill_at_save, *extra):
+    worker = Path(__file__).with_name("_backup_kill_worker.py")
+    result = subprocess.run(
+        [sys.executable, worker, backup_dir, str(kill_at_save), *extra],
+        cwd=worker.parent,
+        env={**os.environ, "KERAS_BACKEND": BACKEND},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 17, result.stderr[-3000:]
+
+
+def _resume_and_compare(backup, plain=False, double_checkpoint=False):
+    import _backup_kill_worker as worker
+
+    resumed = worker.build(plain=plain)
+    history = worker.fit(
+        resumed,
+        [
+            keras.callbacks.BackupAndRestore(
+                backup, double_checkpoint=double_checkpoint
+            )
+        ],
+    )
+    reference = worker.build(plain=plain)
+    worker.fit(reference, [])
+    assert int(resumed.optimizer.iterations) == int(
+        reference.optimizer.iterations
+    )
+    for a, b in zip(
+        resumed.get_weights(), reference.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    return resumed, reference, len(history.history["loss"])
+
+
+def test_killed_during_a_backup_write_resumes_exactly(tmp_path):
+    """Before: the kill tore `latest.weights.h5` (Keras writes it in
+    place), and every restart failed with `OSError: Unable to
+    synchronously open file`. `AccumModel` writes the file beside it and
+    renames it when complete: the previous backup (epoch 2's) survives, and
+    the restart replays epochs 3 and 4 exactly."""
+    backup = tmp_path / "backup"
+    _killed_during_backup(backup, 3)  # The end of epoch 3 of 4.
+    resumed, reference, epochs_run = _resume_and_compare(backup)
+    assert epochs_run == 2
+    assert resumed.mini_step == reference.mini_step
+
+
+@pytest.mark.tensorflow_only(
+    reason="Keras's own BackupAndRestore files, the same on every backend"
+)
+@pytest.mark.parametrize("double_checkpoint", [False, True])
+def test_plain_model_killed_during_a_backup_write(tmp_path, double_checkpoint):
+    """What docs/guides/robustness.md says of `keras.Model`: a torn backup
+    fails every restart, unless `double_checkpoint=True` (then Keras falls
+    back to the previous backup and the run resumes exactly)."""
+    backup = tmp_path / "backup"
+    flags = ["plain", "double"] if double_checkpoint else ["plain"]
+    _killed_during_backup(backup, 3, *flags)
+    if not double_checkpoint:
+        with pytest.raises(OSError, match="Unable to"):
+            _resume_and_compare(backup, plain=True)
+        return
+    _, _, epochs_run = _resume_and_compare(
+        backup, plain=True, double_checkpoint=True
+    )
+    assert epochs_run == 2
 
 
 # -- Bad input ----------------------------------------------------------------

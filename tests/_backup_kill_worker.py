@@ -1,0 +1,82 @@
+"""Trains under `BackupAndRestore` and is killed during a backup's write.
+
+    python _backup_kill_worker.py BACKUP_DIR KILL_AT_SAVE [plain] [double]
+
+Exits with status 17 from inside the KILL_AT_SAVE-th weights write (a
+layer's `save_own_variables` calls `os._exit`, as a pre-empted process
+stops: no cleanup, the file half written). `build` and `DATA` are shared
+with the test that resumes the run (tests/test_robustness.py). `plain`
+trains a `keras.Model` instead, `double` passes `double_checkpoint=True`
+(the figures in docs/guides/robustness.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import keras
+from _helpers import regression_data
+
+import keras_accum
+
+DATA = regression_data(n=70)
+B, K, EPOCHS = 8, 4, 4
+
+
+class SaveTripwire(keras.layers.Layer):
+    """The identity; ends the process during its `exit_on_save`-th save."""
+
+    def __init__(self, exit_on_save=0, **kwargs):
+        super().__init__(**kwargs)
+        self.exit_on_save = exit_on_save
+        self.saves = 0
+
+    def call(self, x):
+        return x
+
+    def save_own_variables(self, store):
+        self.saves += 1
+        if self.saves == self.exit_on_save:
+            sys.stdout.flush()
+            os._exit(17)
+
+
+def build(plain=False, exit_on_save=0):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    # Between two layers with weights: the first is already in the file
+    # when the process dies.
+    hidden = SaveTripwire(exit_on_save)(hidden)
+    outputs = keras.layers.Dense(3)(hidden)
+    if plain:
+        model = keras.Model(inputs, outputs)
+    else:
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=K)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def fit(model, callbacks):
+    x, y = DATA
+    return model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+
+
+if __name__ == "__main__":
+    backup_dir, kill_at = sys.argv[1], int(sys.argv[2])
+    flags = sys.argv[3:]
+    model = build(plain="plain" in flags, exit_on_save=kill_at)
+    backup = keras.callbacks.BackupAndRestore(
+        backup_dir, double_checkpoint="double" in flags
+    )
+    fit(model, [backup])
+    sys.exit("the run was not killed")
