@@ -513,6 +513,10 @@ class AccumModel(_Trainer, keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             # The accumulators must exist to receive a saved open window.
             self._ensure_window()
+        if self._window is not None:
+            # Keras assigns the layers' weights before the window's: a bad
+            # window must fail before either.
+            self._window.check_file(filepath)
         return super().load_weights(filepath, *args, **kwargs)
 
     def fit(

@@ -1,0 +1,373 @@
+"""Loading a saved window (`_window_saving.py`): a damaged or incompatible
+window fails naming the entry, its value and the file, before anything is
+assigned; every window training can produce loads."""
+
+import shutil
+import zipfile
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from _helpers import accum_mlp, regression_data
+
+import keras_accum
+
+B, K = 8, 4
+COUNTERS = (
+    "acc_normalizer",
+    "acc_loss",
+    "acc_samples",
+    "acc_grad_sq",
+    "mini_step",
+    "epoch_step",
+    "window_length",
+    "skipped_windows",
+)
+INTS = ("mini_step", "epoch_step", "window_length", "skipped_windows")
+
+
+def _compiled(model):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _batches(n=64):
+    x, y = regression_data(n=n)
+    return [(x[i : i + B], y[i : i + B]) for i in range(0, n, B)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A weights file and a `.keras` file of a window 2 of 4 micro-batches
+    in, after one update; the two batches that close it."""
+    directory = tmp_path_factory.mktemp("saved")
+    batches = _batches()
+    model = _compiled(accum_mlp(K))
+    for xb, yb in batches[:6]:
+        model.train_on_batch(xb, yb)
+    assert model.mini_step == 2
+    model.save_weights(directory / "base.weights.h5")
+    model.save(directory / "base.keras")
+    return directory, batches[6:]
+
+
+def _window_group(h5):
+    """The H5 group holding the saved window's entries."""
+    found = []
+    h5.visititems(
+        lambda name, item: (
+            found.append(name)
+            if isinstance(item, h5py.Group) and "mini_step" in item
+            else None
+        )
+    )
+    assert len(found) == 1, found
+    return h5[found[0]]
+
+
+def _set(group, name, value):
+    del group[name]
+    group[name] = value
+
+
+def _corrupted(source, target, edit):
+    """A copy of a weights or `.keras` file with `edit(window group)`."""
+    if str(source).endswith(".keras"):
+        with zipfile.ZipFile(source) as archive:
+            archive.extractall(target.with_suffix(".d"))
+        weights = target.with_suffix(".d") / "model.weights.h5"
+        with h5py.File(weights, "r+") as h5:
+            edit(_window_group(h5))
+        with zipfile.ZipFile(target, "w") as archive:
+            for path in sorted(target.with_suffix(".d").iterdir()):
+                archive.write(path, path.name)
+        return target
+    shutil.copy(source, target)
+    with h5py.File(target, "r+") as h5:
+        edit(_window_group(h5))
+    return target
+
+
+def _window_values(model):
+    return [
+        np.array(keras.ops.convert_to_numpy(v)) for v in model.accumulators
+    ] + [
+        int(model.mini_step),
+        int(model.window_length),
+        int(model.skipped_windows),
+    ]
+
+
+# -- The cases of issue 21 -----------------------------------------------------
+
+ISSUE_CASES = [
+    # (entry, edit, what the message says)
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+        r"entry `mini_step` = -3 is outside 0\.\.3 \(window_length=4, "
+        r"accum_steps=4\)",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(9)),
+        r"entry `mini_step` = 9 is outside 0\.\.3",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(4)),
+        r"entry `mini_step` = 4 is outside 0\.\.3",
+    ),
+    (
+        "window_length",
+        lambda g: _set(g, "window_length", np.int64(0)),
+        r"entry `window_length` = 0 is outside 1\.\.",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: _set(g, "acc_normalizer", np.float32(0)),
+        r"entry `acc_normalizer` = 0\.0 is not 16 \(acc_samples=16",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: _set(g, "acc_normalizer", np.float32(-16)),
+        r"entry `acc_normalizer` = -16\.0 is not 16",
+    ),
+    (
+        "acc_grad_0",
+        lambda g: _set(
+            g, "acc_grad_0", np.asarray(g["acc_grad_0"]).astype("int32")
+        ),
+        r"entry `acc_grad_0` = <array of shape \(5, 8\)>.* has dtype int32; "
+        r"keras-accum saves it as float32",
+    ),
+    (
+        "mini_step",
+        lambda g: g.__delitem__("mini_step"),
+        r"does not have the entries .*: missing `mini_step`",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: g.__delitem__("acc_normalizer"),
+        r"missing `acc_normalizer`",
+    ),
+    (
+        "skipped_windows",
+        lambda g: _set(g, "skipped_windows", np.int64(-5)),
+        r"entry `skipped_windows` = -5 is outside 0\.\.",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", "2"),
+        r"entry `mini_step` = '2'.* has dtype object; keras-accum saves it as "
+        r"int32 or int64",
+    ),
+    (
+        "extra",
+        lambda g: g.__setitem__("mini_steps", np.int64(2)),
+        r"unknown `mini_steps`",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "entry, edit, message", ISSUE_CASES, ids=[c[2][:40] for c in ISSUE_CASES]
+)
+def test_damaged_window_fails_naming_entry_value_and_file(
+    saved, tmp_path, entry, edit, message
+):
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.weights.h5", tmp_path / "w.weights.h5", edit
+    )
+    model = _compiled(accum_mlp(K, seed=3))
+    xb, yb = _batches()[0]
+    model.train_on_batch(xb, yb)  # A state of its own: a window of 1.
+    before = [w.copy() for w in model.get_weights()], _window_values(model)
+    with pytest.raises(ValueError, match=message) as raised:
+        model.load_weights(path)
+    assert str(path) in str(raised.value)
+    # Nothing assigned: no half-loaded window or weights.
+    for a, b in zip(before[0], model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    after = _window_values(model)
+    for a, b in zip(before[1], after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_damaged_keras_file_fails_naming_the_entry(saved, tmp_path):
+    # Keras gathers the objects that failed to load into one error, with
+    # ours in it; it does not tell the objects which file it reads.
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.keras",
+        tmp_path / "m.keras",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+    )
+    with pytest.raises(ValueError, match=r"`mini_step` = -3 is outside 0\.\.3"):
+        keras.saving.load_model(path)
+
+
+# -- What the current release saves keeps loading ------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["weights", "keras"])
+def test_saved_window_loads_and_closes_as_uninterrupted(saved, fmt):
+    directory, rest = saved
+    reference = _compiled(accum_mlp(K))
+    for xb, yb in _batches()[:8]:
+        reference.train_on_batch(xb, yb)
+    if fmt == "keras":
+        model = keras.saving.load_model(directory / "base.keras")
+    else:
+        model = _compiled(accum_mlp(K, seed=3))
+        model.load_weights(directory / "base.weights.h5")
+    assert model.mini_step == 2
+    for xb, yb in rest:
+        model.train_on_batch(xb, yb)
+    assert int(model.optimizer.iterations) == 2
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+def _every_four(updates):
+    return keras.ops.where(updates >= 0, K, 1)
+
+
+@pytest.mark.parametrize(
+    "case", ["sum", "negative_weights", "two_outputs", "callable"]
+)
+def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
+    # Three micro-batches of a window of 4, saved and loaded, for each kind
+    # of normaliser: none (summed losses), sample weights of either sign,
+    # one per sample (two outputs), and loss entries (a callable schedule,
+    # whose window may have any length).
+    x, y = regression_data(n=24)
+    loss, weights = "mse", None
+    if case == "sum":
+        loss = keras.losses.MeanSquaredError(reduction="sum")
+    elif case == "negative_weights":
+        loss = keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"
+        )
+        weights = np.where(np.arange(24) % 2 == 0, -1.0, 0.5).astype("float32")
+
+    def build():
+        if case == "two_outputs":
+            inputs = keras.Input((5,))
+            hidden = keras.layers.Dense(4)(inputs)
+            outputs = [
+                keras.layers.Dense(3)(hidden),
+                keras.layers.Dense(3)(hidden),
+            ]
+            model = keras_accum.AccumModel(inputs, outputs, accum_steps=K)
+        else:
+            model = accum_mlp(_every_four if case == "callable" else K)
+        model.compile(optimizer="adam", loss=loss)
+        return model
+
+    model = build()
+    for i in range(3):
+        part = slice(B * i, B * (i + 1))
+        yb = [y[part], y[part]] if case == "two_outputs" else y[part]
+        sw = None if weights is None else weights[part]
+        model.train_on_batch(x[part], yb, sample_weight=sw)
+    assert model.mini_step == 3
+    normalizer = float(keras.ops.convert_to_numpy(model._window.acc_normalizer))
+    expected = {"sum": 0.0, "negative_weights": -6.0}.get(case, 24.0)
+    assert normalizer == expected
+    model.save_weights(tmp_path / "m.weights.h5")
+    restored = build()
+    restored.load_weights(tmp_path / "m.weights.h5")
+    assert restored.mini_step == 3
+    loaded = keras.ops.convert_to_numpy(restored._window.acc_normalizer)
+    assert float(loaded) == expected
+
+
+# -- Property: a damaged window fails loudly or trains as the saved one -------
+
+SPECIALS = (np.nan, np.inf, -np.inf, -16.0, -1.0, 0.0, 0.5, 16.0, 24.0, 1e9)
+
+
+def _random_damage(rng, group):
+    """One random corruption of the window; returns the entries it names."""
+    entries = [f"acc_grad_{i}" for i in range(4)] + list(COUNTERS)
+    name = str(rng.choice(entries))
+    old = np.asarray(group[name])
+    kind = str(rng.choice(["value", "dtype", "remove", "extra", "shape"]))
+    if kind == "value" and name.startswith("acc_grad_"):
+        # Any float32 is a value training can produce there (NaN and inf
+        # included: such a window is skipped at its close).
+        kind = "dtype"
+    if kind == "value":
+        if name in INTS:
+            value = rng.choice([rng.integers(-10, 20), -(2**40), 2**31])
+            _set(group, name, np.asarray(value, old.dtype))
+        else:
+            value = rng.choice([*SPECIALS, rng.normal() * 50])
+            _set(group, name, np.float32(value))
+    elif kind == "dtype":
+        dtype = rng.choice(
+            ["float16", "float32", "float64", "int16", "int32", "int64", "str"]
+        )
+        if dtype == "str":
+            _set(group, name, str(old.tolist()))
+        else:
+            _set(group, name, old.astype(dtype))
+    elif kind == "remove":
+        del group[name]
+    elif kind == "extra":
+        name = str(rng.choice(["acc_grad_4", "mini_steps", "format_version"]))
+        group[name] = np.int64(1)
+    else:
+        _set(group, name, old.reshape((1, *old.shape)))
+    return name
+
+
+def test_property_random_damage_fails_naming_the_entry_or_trains_the_same(
+    saved, tmp_path
+):
+    directory, rest = saved
+    base = directory / "base.weights.h5"
+    model = _compiled(accum_mlp(K, seed=3))
+
+    def resume():
+        for xb, yb in rest:
+            model.train_on_batch(xb, yb)
+        return int(model.optimizer.iterations), model.get_weights()
+
+    model.load_weights(base)
+    expected_iterations, expected = resume()
+    loaded = failed = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        holder = []
+        path = _corrupted(
+            base,
+            tmp_path / f"{seed}.weights.h5",
+            lambda group, rng=rng, holder=holder: holder.append(
+                _random_damage(rng, group)
+            ),
+        )
+        name = holder[0]
+        model.load_weights(base)
+        before = _window_values(model)
+        try:
+            model.load_weights(path)
+        except ValueError as error:
+            failed += 1
+            assert f"`{name}`" in str(error) or f"{name}=" in str(error), (
+                seed,
+                str(error),
+            )
+            for a, b in zip(before, _window_values(model), strict=True):
+                np.testing.assert_array_equal(a, b)
+            continue
+        loaded += 1
+        iterations, weights = resume()
+        assert iterations == expected_iterations, (seed, name)
+        for a, b in zip(expected, weights, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}: {name}")
+    # Both outcomes are exercised.
+    assert failed > 100 and loaded > 5, (failed, loaded)
