@@ -332,8 +332,9 @@ def _describe(rules):
         "zero": "the loss sums, so a window adds no normaliser",
         "samples": "the normaliser counts samples",
         "entries": (
-            f"the loss averages {rules.entries} entries per sample and no "
-            "layer masks"
+            f"the loss averages {rules.entries} "
+            f"{'entry' if rules.entries == 1 else 'entries'} per sample and "
+            "no layer masks"
         ),
         "counted": "the normaliser counts the entries the loss averages",
     }[rules.normalizer] + f"; accum_steps={rules.accum_steps}"
