@@ -208,17 +208,26 @@ def test_damaged_window_fails_naming_entry_value_and_file(
         np.testing.assert_array_equal(a, b)
 
 
-def test_damaged_keras_file_fails_naming_the_entry(saved, tmp_path):
-    # Keras gathers the objects that failed to load into one error, with
-    # ours in it; it does not tell the objects which file it reads.
+def test_damaged_keras_file_fails_naming_the_entry(
+    saved, other_model, tmp_path
+):
     directory, _ = saved
     path = _corrupted(
         directory / "base.keras",
         tmp_path / "m.keras",
         lambda g: _set(g, "mini_step", np.int64(-3)),
     )
-    with pytest.raises(ValueError, match=r"`mini_step` = -3 is outside 0\.\.3"):
+    message = r"`mini_step` = -3 is outside 0\.\.3"
+    # Keras gathers the objects that failed to load into one error, with
+    # ours in it; it does not tell the objects which file it reads.
+    with pytest.raises(ValueError, match=message):
         keras.saving.load_model(path)
+    before = [w.copy() for w in other_model.get_weights()]
+    with pytest.raises(ValueError, match=message) as raised:
+        other_model.load_weights(path)
+    assert str(path) in str(raised.value)
+    for a, b in zip(before, other_model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # -- What the current release saves keeps loading ------------------------------
@@ -248,14 +257,18 @@ def _every_four(updates):
 
 
 @pytest.mark.parametrize(
-    "case", ["sum", "negative_weights", "two_outputs", "callable"]
+    "case", ["sum", "negative_weights", "two_outputs", "callable", "masked"]
 )
 def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
     # Three micro-batches of a window of 4, saved and loaded, for each kind
     # of normaliser: none (summed losses), sample weights of either sign,
     # one per sample (two outputs), and loss entries (a callable schedule,
-    # whose window may have any length).
+    # whose window may have any length; a mask, which counts fewer).
     x, y = regression_data(n=24)
+    if case == "masked":
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 3, size=(24, 6))  # Token 0 is masked out.
+        y = rng.normal(size=(24, 6, 3)).astype("float32")
     loss, weights = "mse", None
     if case == "sum":
         loss = keras.losses.MeanSquaredError(reduction="sum")
@@ -266,7 +279,12 @@ def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
         weights = np.where(np.arange(24) % 2 == 0, -1.0, 0.5).astype("float32")
 
     def build():
-        if case == "two_outputs":
+        if case == "masked":
+            inputs = keras.Input((6,), dtype="int32")
+            hidden = keras.layers.Embedding(3, 4, mask_zero=True)(inputs)
+            outputs = keras.layers.Dense(3)(hidden)
+            model = keras_accum.AccumModel(inputs, outputs, accum_steps=K)
+        elif case == "two_outputs":
             inputs = keras.Input((5,))
             hidden = keras.layers.Dense(4)(inputs)
             outputs = [
@@ -287,7 +305,11 @@ def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
         model.train_on_batch(x[part], yb, sample_weight=sw)
     assert model.mini_step == 3
     normalizer = float(keras.ops.convert_to_numpy(model._window.acc_normalizer))
-    expected = {"sum": 0.0, "negative_weights": -6.0}.get(case, 24.0)
+    expected = {
+        "sum": 0.0,
+        "negative_weights": -6.0,
+        "masked": float(np.count_nonzero(x)),
+    }.get(case, 24.0)
     assert normalizer == expected
     model.save_weights(tmp_path / "m.weights.h5")
     restored = build()
