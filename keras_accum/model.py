@@ -531,9 +531,11 @@ class AccumModel(_Trainer, keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             # The accumulators must exist to receive a saved open window.
             self._ensure_window()
-        if self._window is not None:
+        skip_mismatch = kwargs.get("skip_mismatch", args[0] if args else False)
+        if self._window is not None and not skip_mismatch:
             # Keras assigns the layers' weights before the window's: a bad
-            # window must fail before either.
+            # window must fail before either. (With `skip_mismatch`, Keras
+            # warns and leaves the window as it is.)
             self._window.check_file(filepath)
         return super().load_weights(filepath, *args, **kwargs)
 

@@ -230,6 +230,25 @@ def test_damaged_keras_file_fails_naming_the_entry(
         np.testing.assert_array_equal(a, b)
 
 
+def test_skip_mismatch_loads_the_weights_and_keeps_the_window(saved, tmp_path):
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.weights.h5",
+        tmp_path / "w.weights.h5",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+    )
+    model = _compiled(accum_mlp(K, seed=3))
+    xb, yb = _batches()[0]
+    model.train_on_batch(xb, yb)
+    with pytest.warns(UserWarning, match=r"`mini_step` = -3"):
+        model.load_weights(path, skip_mismatch=True)
+    assert model.mini_step == 1  # Its own window, untouched.
+    reference = _compiled(accum_mlp(K))
+    reference.load_weights(directory / "base.weights.h5")
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- What the current release saves keeps loading ------------------------------
 
 
