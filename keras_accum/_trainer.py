@@ -28,6 +28,7 @@ from keras_accum._window import (
     next_window_length,
 )
 from keras_accum._window_log import read_int
+from keras_accum._window_saving import WindowRules
 from keras_accum.layers import AccumBatchNormalization
 
 _SUM_REDUCTIONS = ("sum", "none", None)
@@ -102,6 +103,7 @@ class AccumTrainer:
         )
         self._window_refs = [id(v) for v in self.trainable_weights]
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
+        self._window.load_rules = self._saved_window_rules
 
     def _create_window(self, length, close_hooks):
         check_model(self)
@@ -295,6 +297,73 @@ class AccumTrainer:
         if mask is not None:
             return reduction, ops.sum(ops.cast(mask, "float32"))
         return reduction, entries
+
+    def _saved_window_rules(self) -> WindowRules:
+        """What a window loaded into this model may hold.
+
+        Read from the configuration, as `_loss_normalizer` computes the
+        normaliser in the step; where the configuration leaves the
+        normaliser open (a subclassed model's outputs, a layer that may
+        mask), the rule is the looser one that holds in every case. Called
+        before the compiled loss may be built (a `.keras` file loads its
+        weights right after compiling).
+        """
+        steps = self._accum_steps
+        if isinstance(steps, dict):
+            lengths = tuple(steps.values())
+        else:
+            lengths = None if callable(steps) else (steps,)
+        shown = getattr(steps, "__name__", None) if callable(steps) else None
+        rules = WindowRules(accum_steps=shown or repr(steps), lengths=lengths)
+        reductions = self._loss_reductions()
+        if not reductions or len(set(reductions)) > 1:
+            return rules._replace(normalizer="samples")
+        reduction = reductions[0]
+        if reduction in _SUM_REDUCTIONS:
+            return rules._replace(normalizer="zero")
+        if reduction == "mean_with_sample_weight":
+            return rules
+        outputs = getattr(self, "outputs", None)
+        if outputs is not None and (len(reductions) != 1 or len(outputs) != 1):
+            return rules._replace(normalizer="samples")
+        maskable = any(
+            type(layer).compute_mask is not keras.layers.Layer.compute_mask
+            for layer in self._flatten_layers()
+            if not isinstance(layer, keras.Model)
+        )
+        entries = None
+        if outputs is not None:
+            shape = tuple(outputs[0].shape)
+            dims = shape[1:-1] if len(shape) > 1 else ()
+            if all(isinstance(d, int) for d in dims):
+                entries = math.prod(dims)
+        kind = "entries" if entries is not None and not maskable else "counted"
+        return rules._replace(
+            normalizer=kind, entries=entries, maskable=maskable
+        )
+
+    def _loss_reductions(self) -> list:
+        """The compiled losses' reductions, one per loss.
+
+        From the built compiled loss where it is built, else from the
+        `loss` given to `compile` (Keras resolves names and functions to
+        losses with the default reduction).
+        """
+        compile_loss = getattr(self, "_compile_loss", None)
+        flat = getattr(compile_loss, "_flat_losses", None)
+        if flat is not None:
+            losses = [entry.loss for entry in flat]
+        else:
+            given = getattr(self, "loss", None)
+            losses = [] if given is None else keras.tree.flatten(given)
+            losses = [loss for loss in losses if loss is not None]
+        reductions = []
+        for loss in losses:
+            reduction = getattr(loss, "reduction", "sum_over_batch_size")
+            reductions.append(
+                "sum_over_batch_size" if reduction is None else reduction
+            )
+        return reductions
 
     # -- Schedules ------------------------------------------------------------
 

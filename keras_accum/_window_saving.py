@@ -4,9 +4,23 @@ A model saved with a window open (between two updates) keeps the window:
 `.keras` files, `save_weights` and `BackupAndRestore` carry the
 accumulators and counters, under the same keys whichever backend wrote
 them, so a file saved on TensorFlow resumes on JAX and the other way round.
+
+Loading checks the whole saved window before it assigns anything: every
+entry present and known, of the dtype and shape this release writes, and
+every counter and total within what training can produce, given the
+loading model's loss (`WindowRules`). A damaged file, or one written by an
+incompatible release, fails there with the entry, its value and the file,
+instead of resuming into a window that trains differently.
 """
 
 from __future__ import annotations
+
+import math
+import os
+import zipfile
+from typing import NamedTuple
+
+import numpy as np
 
 from keras_accum._compat import KerasSaveable
 
@@ -21,14 +35,59 @@ SAVED_COUNTERS = (
     "window_length",
     "skipped_windows",
 )
+# The window's float32 totals (0 between windows) and integer counters.
+SAVED_TOTALS = SAVED_COUNTERS[:4]
+SAVED_INTS = SAVED_COUNTERS[4:]
+# Counters are int64 on TensorFlow and int32 on JAX and PyTorch: a file
+# from one backend holds the other's, and both must fit the smaller.
+SAVED_INT_DTYPES = ("int32", "int64")
+INT_MAX = 2**31 - 1
+# Float32 sums of whole numbers are exact below 2**24; above, a window's
+# two sums of the same counts may round differently.
+_COUNT_RTOL = 1e-5
+
+_REMEDY = (
+    "The file is damaged, or was not written by this version of "
+    "keras-accum. To keep the weights and drop the window, load the file "
+    "into the equivalent plain `keras.Model` with `load_weights()`."
+)
+
+
+class WindowRules(NamedTuple):
+    """What the loading model allows in a saved window.
+
+    Attributes:
+        accum_steps: The model's `accum_steps`, as messages show it.
+        lengths: The lengths an open window may have: `accum_steps`, or
+            its schedule's values; None for any (a callable schedule).
+        normalizer: How an open window's normaliser total relates to its
+            samples, as the model's loss computes it
+            (`AccumTrainer._loss_normalizer`): `"zero"` (sum reductions),
+            `"samples"` (one per sample), `"entries"` (`entries` per
+            sample, no mask), `"counted"` (a count of loss entries: at
+            least 0, at most `entries` per sample where known, and nonzero
+            with samples unless a layer can mask), or `"any"` (sample
+            weights, any sign).
+        entries: Loss entries per sample, None if not static.
+        maskable: Whether a layer can mask loss entries out.
+    """
+
+    accum_steps: str = "?"
+    lengths: tuple | None = None
+    normalizer: str = "any"
+    entries: int | None = None
+    maskable: bool = True
 
 
 class SavedWindow(KerasSaveable):
     """The saving half of a backend's window state.
 
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
-    a variable for each name in `SAVED_COUNTERS`.
+    a variable for each name in `SAVED_COUNTERS`. The model sets
+    `load_rules`, a callable returning its `WindowRules`.
     """
+
+    load_rules = None
 
     def _obj_type(self):
         # Keras accepts only its own kinds here; it decides which attributes
@@ -42,22 +101,272 @@ class SavedWindow(KerasSaveable):
             store[name] = getattr(self, name)
 
     def load_own_variables(self, store):
-        keys = list(store.keys())
-        if not keys:
+        if not list(store.keys()):
             # Saved before any training, or by a plain model: start fresh.
             return
-        saved = sum(
-            key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
-            for key in keys
-        )
-        if saved != len(self.acc_grads):
-            raise ValueError(
-                f"The saved accumulation window holds {saved} gradient "
-                f"accumulators but this model has {len(self.acc_grads)} "
-                "trainable weights; load it into the same architecture."
-            )
+        values = check_saved_window(store, self._shapes(), self._rules())
+        # Only once every entry passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
-            acc.assign(store[f"acc_grad_{i}"])
+            acc.assign(np.asarray(values[f"acc_grad_{i}"]))
         for name in SAVED_COUNTERS:
-            if name in keys:
-                getattr(self, name).assign(store[name])
+            getattr(self, name).assign(values[name])
+
+    def check_file(self, filepath) -> None:
+        """Checks the window saved in a weights or `.keras` file.
+
+        Run by `AccumModel.load_weights` before Keras assigns anything: Keras
+        loads the layers' weights before the window, so a window that fails
+        only there would leave the model half loaded. Reads the entries'
+        dtypes and shapes and the scalars, not the accumulators' values.
+        Formats it does not read (sharded or NumPy weights) are checked as
+        the window loads.
+        """
+        path = os.fspath(filepath)
+        try:
+            import h5py
+        except ImportError:  # Keras reads H5 with it; nothing to check.
+            return
+        if path.endswith(".weights.h5"):
+            with h5py.File(path, "r") as h5:
+                self._check_group(h5, f" in {path}")
+        elif path.endswith(".keras") and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                if "model.weights.h5" not in archive.namelist():
+                    return
+                with archive.open("model.weights.h5") as member:
+                    with h5py.File(member, "r") as h5:
+                        self._check_group(h5, f" in {path}")
+
+    def _check_group(self, h5, where):
+        # Keras's layout: each object's entries under `<path>/vars`.
+        group = h5.get("_window/vars")
+        if group is None or not list(group.keys()):
+            return
+        check_saved_window(group, self._shapes(), self._rules(), where)
+
+    def _shapes(self):
+        return [tuple(acc.shape) for acc in self.acc_grads]
+
+    def _rules(self):
+        return self.load_rules() if self.load_rules else WindowRules()
+
+
+def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
+    """The saved window's entries, each checked.
+
+    Args:
+        store: What Keras passes to `load_own_variables` (an H5 group or a
+            dict of arrays).
+        shapes: The accumulators' shapes, one per trainable weight.
+        rules: The loading model's `WindowRules`.
+        where: ` in <file>` for messages; by default what `store` tells.
+
+    Returns:
+        A dict from entry name to its value: the accumulators as `store`
+        gives them (an H5 dataset is not read), the rest as NumPy arrays.
+
+    Raises:
+        ValueError: if an entry is missing or unknown, has another dtype or
+            shape than this release saves, or a value training cannot
+            produce. The message names the entry, its value and, where
+            Keras tells, the file.
+    """
+    if where is None:
+        where = _where(store)
+    expected = [f"acc_grad_{i}" for i in range(len(shapes))]
+    expected += SAVED_COUNTERS
+    keys = [str(key) for key in store.keys()]
+    _check_keys(keys, expected, len(shapes), where)
+    values = {}
+    for i, shape in enumerate(shapes):
+        name = f"acc_grad_{i}"
+        values[name] = _read(store, name, ("float32",), shape, where)
+    for name in SAVED_TOTALS:
+        values[name] = _read(store, name, ("float32",), (), where)
+    for name in SAVED_INTS:
+        values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
+    _check_values(values, rules, where)
+    return values
+
+
+def _check_keys(keys, expected, accumulators, where):
+    missing = [key for key in expected if key not in keys]
+    unknown = sorted(key for key in keys if key not in expected)
+    if not missing and not unknown:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {_names(missing)}")
+    if unknown:
+        parts.append(f"unknown {_names(unknown)}")
+    found = ", ".join(parts)
+    saved = sum(
+        key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
+        for key in keys
+    )
+    if saved != accumulators:
+        raise ValueError(
+            f"The saved accumulation window{where} holds {saved} gradient "
+            f"accumulators but this model has {accumulators} trainable "
+            f"weights ({found}); load it into the same architecture."
+        )
+    raise ValueError(
+        f"The saved accumulation window{where} does not have the entries "
+        f"this version of keras-accum saves: {found}. {_REMEDY}"
+    )
+
+
+def _names(keys):
+    return ", ".join(f"`{key}`" for key in keys)
+
+
+def _read(store, name, dtypes, shape, where):
+    value = store[name]
+    if shape != ():
+        # Dtype and shape only: an H5 dataset's values stay on disk.
+        value = value if hasattr(value, "dtype") else np.asarray(value)
+    else:
+        value = np.asarray(value)
+    if value.dtype.name not in dtypes:
+        raise ValueError(
+            f"The saved accumulation window entry `{name}` = "
+            f"{_show(value)}{where} has dtype {value.dtype.name}; "
+            f"keras-accum saves it as {' or '.join(dtypes)}. {_REMEDY}"
+        )
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"The saved accumulation window entry `{name}`{where} has shape "
+            f"{value.shape}, where this model's is {tuple(shape)}; load it "
+            "into the same architecture."
+        )
+    return value
+
+
+def _check_values(values, rules, where):
+    ints = {name: int(values[name]) for name in SAVED_INTS}
+    totals = {name: float(values[name]) for name in SAVED_TOTALS}
+    context = f"accum_steps={rules.accum_steps}"
+
+    def fail(name, value, allowed, why="", exact=False):
+        expected = f"not {allowed}" if exact else f"outside {allowed}"
+        raise ValueError(
+            f"The saved accumulation window entry `{name}` = {value!r} is "
+            f"{expected} ({why or context}){where}. {_REMEDY}"
+        )
+
+    # A window's length is at least 1: a schedule's values are checked,
+    # and a callable's are clamped to 1 in the step.
+    length = ints["window_length"]
+    if not 1 <= length <= INT_MAX:
+        fail("window_length", length, f"1..{INT_MAX}")
+    if ints["mini_step"] > 0 and rules.lengths and length not in rules.lengths:
+        # An open window's length was fixed when it started, by
+        # `accum_steps` then. (Between windows the next one takes the
+        # length from the model, so a stale one there is harmless.)
+        allowed = " or ".join(str(n) for n in sorted(set(rules.lengths)))
+        fail(
+            "window_length",
+            length,
+            allowed,
+            f"{context}; a window keeps the length it started with: if the "
+            "file was saved after changing `accum_steps` in the middle of a "
+            f"window, build the model with accum_steps={length}, load the "
+            "file, then change it",
+            exact=True,
+        )
+    mini_step = ints["mini_step"]
+    if not 0 <= mini_step < length:
+        # A window closes when `mini_step` reaches its length.
+        fail(
+            "mini_step",
+            mini_step,
+            f"0..{length - 1}",
+            f"window_length={length}, {context}",
+        )
+    for name in ("epoch_step", "skipped_windows"):
+        if not 0 <= ints[name] <= INT_MAX:
+            fail(name, ints[name], f"0..{INT_MAX}")
+    if mini_step == 0:
+        # An empty window: closing one resets its totals to 0.
+        for name, value in totals.items():
+            if value != 0.0:
+                fail(name, value, "0", "an empty window: mini_step=0", True)
+        return
+    samples = totals["acc_samples"]
+    if not (math.isfinite(samples) and samples >= 0 and samples.is_integer()):
+        fail("acc_samples", samples, "the whole numbers >= 0")
+    if totals["acc_grad_sq"] < 0:
+        # A sum of squares; NaN or inf where gradients overflowed.
+        fail("acc_grad_sq", totals["acc_grad_sq"], "the numbers >= 0")
+    _check_normalizer(totals["acc_normalizer"], samples, rules, fail)
+
+
+def _check_normalizer(normalizer, samples, rules, fail):
+    kind = rules.normalizer
+    if kind == "any":
+        return
+    why = f"acc_samples={samples:g}, {_describe(rules)}"
+    if kind == "zero":
+        if normalizer != 0.0:
+            fail("acc_normalizer", normalizer, "0", why, exact=True)
+        return
+    if kind in ("samples", "entries"):
+        per_sample = 1 if kind == "samples" else rules.entries
+        target = samples * per_sample
+        if not math.isclose(normalizer, target, rel_tol=_COUNT_RTOL):
+            fail("acc_normalizer", normalizer, f"{target:g}", why, exact=True)
+        return
+    # "counted": entries the loss averaged over, fewer where masked.
+    upper = math.inf if rules.entries is None else samples * rules.entries
+    lower = 0.0
+    if not rules.maskable and samples > 0:
+        lower = math.nextafter(0.0, 1.0)
+    if not (lower <= normalizer <= upper * (1 + _COUNT_RTOL)):
+        allowed = f"{lower:g}..{upper:g}" if lower == 0 else f"(0, {upper:g}]"
+        fail("acc_normalizer", normalizer, allowed, why)
+
+
+def _describe(rules):
+    """Why the normaliser has the range it has, for messages."""
+    return {
+        "zero": "the loss sums, so a window adds no normaliser",
+        "samples": "the normaliser counts samples",
+        "entries": (
+            f"the loss averages {rules.entries} "
+            f"{'entry' if rules.entries == 1 else 'entries'} per sample and "
+            "no layer masks"
+        ),
+        "counted": "the normaliser counts the entries the loss averages",
+    }[rules.normalizer] + f"; accum_steps={rules.accum_steps}"
+
+
+def _show(value):
+    if len(value.shape) == 0:
+        value = np.asarray(value)
+        item = value.item()
+        if isinstance(item, bytes):
+            item = item.decode(errors="replace")
+        return repr(item)
+    return f"<array of shape {value.shape}>"
+
+
+def _where(store):
+    """` in <file>` where Keras's store tells which file it reads.
+
+    A `.keras` file's weights are read from memory or from a temporary
+    copy of its `model.weights.h5`: neither names the file.
+    """
+    archive = getattr(store, "archive", None)
+    name = getattr(archive, "filename", None)
+    if name:
+        return f" in {name}"
+    path = getattr(store, "path_or_io", None)
+    if path is None:
+        path = getattr(getattr(store, "h5_file", None), "filename", None)
+    if isinstance(path, (str, os.PathLike)):
+        path = os.fspath(path)
+        if os.path.basename(path) != "model.weights.h5" and os.path.exists(
+            path
+        ):
+            return f" in {path}"
+    return ""

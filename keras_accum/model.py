@@ -511,6 +511,21 @@ class AccumModel(_Trainer, keras.Model):
             self._ensure_window()
 
     def save(self, filepath, overwrite: bool = True, **kwargs: Any) -> None:
+        if (
+            str(filepath).endswith((".h5", ".hdf5"))
+            and self._window is not None
+            and self.mini_step > 0
+        ):
+            # The legacy format saves the layers' weights only.
+            warnings.warn(
+                f"Saving to the legacy H5 format ({str(filepath)!r}) keeps "
+                "the model, its weights, `accum_steps` and `partial_window`, "
+                f"but not the open accumulation window ({self.mini_step} "
+                "micro-batches not yet applied): a model loaded from it "
+                "starts a new window. Save to a `.keras` file to keep the "
+                "window, or call `apply_partial_window()` before saving.",
+                stacklevel=2,
+            )
         # Whole or not at all (`_files.py`): a process killed during the
         # write leaves the previous file, not a torn one.
         if kwargs.get("zipped") is False:
@@ -532,6 +547,12 @@ class AccumModel(_Trainer, keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             # The accumulators must exist to receive a saved open window.
             self._ensure_window()
+        skip_mismatch = kwargs.get("skip_mismatch", args[0] if args else False)
+        if self._window is not None and not skip_mismatch:
+            # Keras assigns the layers' weights before the window's: a bad
+            # window must fail before either. (With `skip_mismatch`, Keras
+            # warns and leaves the window as it is.)
+            self._window.check_file(filepath)
         return super().load_weights(filepath, *args, **kwargs)
 
     def fit(
@@ -691,3 +712,23 @@ class _WrappedAccumModel(AccumModel):
             config.get("accum_steps", 1), custom_objects
         )
         return cls(inner, **config)
+
+
+# What files call the classes. `.keras` files look a class up by its
+# registered name ("keras_accum>_FunctionalAccumModel", unchanged, so files
+# from every release load) and show its `__name__` as `class_name`. Loading
+# without `import keras_accum` then fails with Keras's "Could not locate
+# class 'keras_accum.AccumModel' ... make sure [custom classes] are all
+# imported", which names the package to import. The legacy H5 format looks
+# classes up by `class_name` alone, hence the extra entries: the names this
+# release writes and those the earlier ones wrote.
+_FunctionalAccumModel.__name__ = "keras_accum.AccumModel"
+_WrappedAccumModel.__name__ = "keras_accum.AccumModel.from_model"
+for _cls, _earlier in (
+    (AccumModel, "AccumModel"),
+    (_FunctionalAccumModel, "_FunctionalAccumModel"),
+    (_WrappedAccumModel, "_WrappedAccumModel"),
+):
+    for _name in (_cls.__name__, _earlier):
+        keras.saving.get_custom_objects().setdefault(_name, _cls)
+del _cls, _earlier, _name

@@ -1,0 +1,582 @@
+"""Saving and loading an `AccumModel`: a damaged or incompatible window
+fails naming the entry, its value and the file, before anything is
+assigned; every window training can produce loads; legacy `.h5` files; a
+load without `import keras_accum`."""
+
+import json
+import os
+import shutil
+import warnings
+import zipfile
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from _helpers import accum_mlp, regression_data, run_in_fresh_process
+
+import keras_accum
+
+B, K = 8, 4
+COUNTERS = (
+    "acc_normalizer",
+    "acc_loss",
+    "acc_samples",
+    "acc_grad_sq",
+    "mini_step",
+    "epoch_step",
+    "window_length",
+    "skipped_windows",
+)
+INTS = ("mini_step", "epoch_step", "window_length", "skipped_windows")
+
+
+def _compiled(model):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _batches(n=64):
+    x, y = regression_data(n=n)
+    return [(x[i : i + B], y[i : i + B]) for i in range(0, n, B)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A weights file and a `.keras` file of a window 2 of 4 micro-batches
+    in, after one update; the two batches that close it."""
+    directory = tmp_path_factory.mktemp("saved")
+    batches = _batches()
+    model = _compiled(accum_mlp(K))
+    for xb, yb in batches[:6]:
+        model.train_on_batch(xb, yb)
+    assert model.mini_step == 2
+    model.save_weights(directory / "base.weights.h5")
+    model.save(directory / "base.keras")
+    return directory, batches[6:]
+
+
+def _window_group(h5):
+    """The H5 group holding the saved window's entries."""
+    found = []
+    h5.visititems(
+        lambda name, item: (
+            found.append(name)
+            if isinstance(item, h5py.Group) and "mini_step" in item
+            else None
+        )
+    )
+    assert len(found) == 1, found
+    return h5[found[0]]
+
+
+def _set(group, name, value):
+    del group[name]
+    group[name] = value
+
+
+def _corrupted(source, target, edit):
+    """A copy of a weights or `.keras` file with `edit(window group)`."""
+    if str(source).endswith(".keras"):
+        with zipfile.ZipFile(source) as archive:
+            archive.extractall(target.with_suffix(".d"))
+        weights = target.with_suffix(".d") / "model.weights.h5"
+        with h5py.File(weights, "r+") as h5:
+            edit(_window_group(h5))
+        with zipfile.ZipFile(target, "w") as archive:
+            for path in sorted(target.with_suffix(".d").iterdir()):
+                archive.write(path, path.name)
+        return target
+    shutil.copy(source, target)
+    with h5py.File(target, "r+") as h5:
+        edit(_window_group(h5))
+    return target
+
+
+def _window_values(model):
+    return [
+        np.array(keras.ops.convert_to_numpy(v)) for v in model.accumulators
+    ] + [
+        int(model.mini_step),
+        int(model.window_length),
+        int(model.skipped_windows),
+    ]
+
+
+# -- The cases of issue 21 -----------------------------------------------------
+
+ISSUE_CASES = [
+    # (entry, edit, what the message says)
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+        r"entry `mini_step` = -3 is outside 0\.\.3 \(window_length=4, "
+        r"accum_steps=4\)",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(9)),
+        r"entry `mini_step` = 9 is outside 0\.\.3",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", np.int64(4)),
+        r"entry `mini_step` = 4 is outside 0\.\.3",
+    ),
+    (
+        "window_length",
+        lambda g: _set(g, "window_length", np.int64(0)),
+        r"entry `window_length` = 0 is outside 1\.\.",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: _set(g, "acc_normalizer", np.float32(0)),
+        r"entry `acc_normalizer` = 0\.0 is not 16 \(acc_samples=16",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: _set(g, "acc_normalizer", np.float32(-16)),
+        r"entry `acc_normalizer` = -16\.0 is not 16",
+    ),
+    (
+        "acc_grad_0",
+        lambda g: _set(
+            g, "acc_grad_0", np.asarray(g["acc_grad_0"]).astype("int32")
+        ),
+        r"entry `acc_grad_0` = <array of shape \(5, 8\)>.* has dtype int32; "
+        r"keras-accum saves it as float32",
+    ),
+    (
+        "mini_step",
+        lambda g: g.__delitem__("mini_step"),
+        r"does not have the entries .*: missing `mini_step`",
+    ),
+    (
+        "acc_normalizer",
+        lambda g: g.__delitem__("acc_normalizer"),
+        r"missing `acc_normalizer`",
+    ),
+    (
+        "skipped_windows",
+        lambda g: _set(g, "skipped_windows", np.int64(-5)),
+        r"entry `skipped_windows` = -5 is outside 0\.\.",
+    ),
+    (
+        "mini_step",
+        lambda g: _set(g, "mini_step", "2"),
+        r"entry `mini_step` = '2'.* has dtype object; keras-accum saves it as "
+        r"int32 or int64",
+    ),
+    (
+        "extra",
+        lambda g: g.__setitem__("mini_steps", np.int64(2)),
+        r"unknown `mini_steps`",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def other_model():
+    """A model with a state of its own (one micro-batch in) that every
+    damaged file below fails to load into."""
+    model = _compiled(accum_mlp(K, seed=3))
+    xb, yb = _batches()[0]
+    model.train_on_batch(xb, yb)
+    return model
+
+
+@pytest.mark.parametrize(
+    "entry, edit, message", ISSUE_CASES, ids=[c[2][:40] for c in ISSUE_CASES]
+)
+def test_damaged_window_fails_naming_entry_value_and_file(
+    saved, other_model, tmp_path, entry, edit, message
+):
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.weights.h5", tmp_path / "w.weights.h5", edit
+    )
+    model = other_model
+    before = [w.copy() for w in model.get_weights()], _window_values(model)
+    assert before[1][-3] == 1  # mini_step
+    with pytest.raises(ValueError, match=message) as raised:
+        model.load_weights(path)
+    assert str(path) in str(raised.value)
+    # Nothing assigned: no half-loaded window or weights.
+    for a, b in zip(before[0], model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(before[1], _window_values(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_damaged_keras_file_fails_naming_the_entry(
+    saved, other_model, tmp_path
+):
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.keras",
+        tmp_path / "m.keras",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+    )
+    message = r"`mini_step` = -3 is outside 0\.\.3"
+    # Keras gathers the objects that failed to load into one error, with
+    # ours in it; it does not tell the objects which file it reads.
+    with pytest.raises(ValueError, match=message):
+        keras.saving.load_model(path)
+    before = [w.copy() for w in other_model.get_weights()]
+    with pytest.raises(ValueError, match=message) as raised:
+        other_model.load_weights(path)
+    assert str(path) in str(raised.value)
+    for a, b in zip(before, other_model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_skip_mismatch_loads_the_weights_and_keeps_the_window(saved, tmp_path):
+    directory, _ = saved
+    path = _corrupted(
+        directory / "base.weights.h5",
+        tmp_path / "w.weights.h5",
+        lambda g: _set(g, "mini_step", np.int64(-3)),
+    )
+    model = _compiled(accum_mlp(K, seed=3))
+    xb, yb = _batches()[0]
+    model.train_on_batch(xb, yb)
+    with pytest.warns(UserWarning, match=r"`mini_step` = -3"):
+        model.load_weights(path, skip_mismatch=True)
+    assert model.mini_step == 1  # Its own window, untouched.
+    reference = _compiled(accum_mlp(K))
+    reference.load_weights(directory / "base.weights.h5")
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- What the current release saves keeps loading ------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["weights", "keras"])
+def test_saved_window_loads_and_closes_as_uninterrupted(saved, fmt):
+    directory, rest = saved
+    reference = _compiled(accum_mlp(K))
+    for xb, yb in _batches()[:8]:
+        reference.train_on_batch(xb, yb)
+    if fmt == "keras":
+        model = keras.saving.load_model(directory / "base.keras")
+    else:
+        model = _compiled(accum_mlp(K, seed=3))
+        model.load_weights(directory / "base.weights.h5")
+    assert model.mini_step == 2
+    for xb, yb in rest:
+        model.train_on_batch(xb, yb)
+    assert int(model.optimizer.iterations) == 2
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+def _every_four(updates):
+    return keras.ops.where(updates >= 0, K, 1)
+
+
+@pytest.mark.parametrize(
+    "case", ["sum", "negative_weights", "two_outputs", "callable", "masked"]
+)
+def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
+    # Three micro-batches of a window of 4, saved and loaded, for each kind
+    # of normaliser: none (summed losses), sample weights of either sign,
+    # one per sample (two outputs), and loss entries (a callable schedule,
+    # whose window may have any length; a mask, which counts fewer).
+    x, y = regression_data(n=24)
+    if case == "masked":
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 3, size=(24, 6))  # Token 0 is masked out.
+        y = rng.normal(size=(24, 6, 3)).astype("float32")
+    loss, weights = "mse", None
+    if case == "sum":
+        loss = keras.losses.MeanSquaredError(reduction="sum")
+    elif case == "negative_weights":
+        loss = keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"
+        )
+        weights = np.where(np.arange(24) % 2 == 0, -1.0, 0.5).astype("float32")
+
+    def build():
+        if case == "masked":
+            inputs = keras.Input((6,), dtype="int32")
+            hidden = keras.layers.Embedding(3, 4, mask_zero=True)(inputs)
+            outputs = keras.layers.Dense(3)(hidden)
+            model = keras_accum.AccumModel(inputs, outputs, accum_steps=K)
+        elif case == "two_outputs":
+            inputs = keras.Input((5,))
+            hidden = keras.layers.Dense(4)(inputs)
+            outputs = [
+                keras.layers.Dense(3)(hidden),
+                keras.layers.Dense(3)(hidden),
+            ]
+            model = keras_accum.AccumModel(inputs, outputs, accum_steps=K)
+        else:
+            model = accum_mlp(_every_four if case == "callable" else K)
+        model.compile(optimizer="adam", loss=loss)
+        return model
+
+    model = build()
+    for i in range(3):
+        part = slice(B * i, B * (i + 1))
+        yb = [y[part], y[part]] if case == "two_outputs" else y[part]
+        sw = None if weights is None else weights[part]
+        model.train_on_batch(x[part], yb, sample_weight=sw)
+    assert model.mini_step == 3
+    normalizer = float(keras.ops.convert_to_numpy(model._window.acc_normalizer))
+    expected = {
+        "sum": 0.0,
+        "negative_weights": -6.0,
+        "masked": float(np.count_nonzero(x)),
+    }.get(case, 24.0)
+    assert normalizer == expected
+    model.save_weights(tmp_path / "m.weights.h5")
+    restored = build()
+    restored.load_weights(tmp_path / "m.weights.h5")
+    assert restored.mini_step == 3
+    loaded = keras.ops.convert_to_numpy(restored._window.acc_normalizer)
+    assert float(loaded) == expected
+
+
+# -- Property: a damaged window fails loudly or trains as the saved one -------
+
+SPECIALS = (np.nan, np.inf, -np.inf, -16.0, -1.0, 0.0, 0.5, 16.0, 24.0, 1e9)
+
+
+def _random_damage(rng, group):
+    """One random corruption of the window; returns the entries it names."""
+    entries = [f"acc_grad_{i}" for i in range(4)] + list(COUNTERS)
+    name = str(rng.choice(entries))
+    old = np.asarray(group[name])
+    kind = str(rng.choice(["value", "dtype", "remove", "extra", "shape"]))
+    if kind == "value" and name.startswith("acc_grad_"):
+        # Any float32 is a value training can produce there (NaN and inf
+        # included: such a window is skipped at its close).
+        kind = "dtype"
+    if kind == "value":
+        if name in INTS:
+            value = rng.choice([rng.integers(-10, 20), -(2**40), 2**31])
+            _set(group, name, np.asarray(value, old.dtype))
+        else:
+            value = rng.choice([*SPECIALS, rng.normal() * 50])
+            _set(group, name, np.float32(value))
+    elif kind == "dtype":
+        dtype = rng.choice(
+            ["float16", "float32", "float64", "int16", "int32", "int64", "str"]
+        )
+        if dtype == "str":
+            _set(group, name, str(old.tolist()))
+        else:
+            _set(group, name, old.astype(dtype))
+    elif kind == "remove":
+        del group[name]
+    elif kind == "extra":
+        name = str(rng.choice(["acc_grad_4", "mini_steps", "format_version"]))
+        group[name] = np.int64(1)
+    else:
+        _set(group, name, old.reshape((1, *old.shape)))
+    return name
+
+
+def test_property_random_damage_fails_naming_the_entry_or_trains_the_same(
+    saved, tmp_path
+):
+    directory, rest = saved
+    base = directory / "base.weights.h5"
+    model = _compiled(accum_mlp(K, seed=3))
+
+    def resume():
+        for xb, yb in rest:
+            model.train_on_batch(xb, yb)
+        return int(model.optimizer.iterations), model.get_weights()
+
+    model.load_weights(base)
+    expected_iterations, expected = resume()
+    loaded = failed = 0
+    for seed in range(120):
+        rng = np.random.default_rng(seed)
+        holder = []
+        path = _corrupted(
+            base,
+            tmp_path / f"{seed}.weights.h5",
+            lambda group, rng=rng, holder=holder: holder.append(
+                _random_damage(rng, group)
+            ),
+        )
+        name = holder[0]
+        model.load_weights(base)
+        before = _window_values(model)
+        try:
+            model.load_weights(path)
+        except ValueError as error:
+            failed += 1
+            assert f"`{name}`" in str(error) or f"{name}=" in str(error), (
+                seed,
+                str(error),
+            )
+            for a, b in zip(before, _window_values(model), strict=True):
+                np.testing.assert_array_equal(a, b)
+            continue
+        loaded += 1
+        iterations, weights = resume()
+        assert iterations == expected_iterations, (seed, name)
+        for a, b in zip(expected, weights, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"seed {seed}: {name}")
+    # Both outcomes are exercised.
+    assert failed > 60 and loaded > 3, (failed, loaded)
+
+
+def test_window_saved_after_changing_accum_steps_says_how_to_load(tmp_path):
+    # An open window keeps the length it started with; a model built with
+    # the new `accum_steps` cannot tell that from damage, and says what
+    # loads it.
+    model = _compiled(accum_mlp(K))
+    batches = _batches()
+    for xb, yb in batches[:2]:
+        model.train_on_batch(xb, yb)
+    model.accum_steps = 2
+    model.save_weights(tmp_path / "m.weights.h5")
+    with pytest.raises(
+        ValueError,
+        match=r"`window_length` = 4 is not 2 \(accum_steps=2; .*build the "
+        r"model with accum_steps=4, load the file, then change it",
+    ):
+        _compiled(accum_mlp(2)).load_weights(tmp_path / "m.weights.h5")
+    restored = _compiled(accum_mlp(K))
+    restored.load_weights(tmp_path / "m.weights.h5")
+    restored.accum_steps = 2
+    for model_ in (model, restored):
+        for xb, yb in batches[2:4]:
+            model_.train_on_batch(xb, yb)
+        assert int(model_.optimizer.iterations) == 1  # The window of 4.
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+# -- Legacy H5 files ----------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="test_window_saving")
+class SubclassedMLP(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def _h5_model(kind):
+    if kind == "functional":
+        return accum_mlp(K, partial_window="carry")
+    keras.utils.set_random_seed(1)
+    inner = SubclassedMLP()
+    inner(np.zeros((1, 5), "float32"))
+    return keras_accum.AccumModel.from_model(
+        inner, accum_steps=K, partial_window="carry"
+    )
+
+
+@pytest.mark.parametrize("kind", ["functional", "from_model"])
+def test_h5_file_loads_model_weights_and_settings_not_the_window(
+    kind, tmp_path
+):
+    x, y = regression_data(n=64)
+    model = _h5_model(kind)
+    # Keras's legacy loader cannot read back a loss given by name.
+    loss = keras.losses.MeanSquaredError()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    model.fit(x[:24], y[:24], batch_size=B, shuffle=False, verbose=0)
+    assert model.mini_step == 3
+    with pytest.warns(UserWarning, match=r"not the open accumulation window"):
+        model.save(tmp_path / "m.h5")
+    restored = keras.saving.load_model(tmp_path / "m.h5")
+    assert type(restored) is type(model)
+    assert restored.accum_steps == K
+    assert restored.partial_window == "carry"
+    assert restored.mini_step == 0
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        model.predict(x, verbose=0), restored.predict(x, verbose=0)
+    )
+    # Keras 3.15's legacy loader builds the optimizer for no variables, for
+    # a plain `keras.Model` too: recompiled, it trains.
+    restored.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    restored.fit(x[:40], y[:40], batch_size=B, shuffle=False, verbose=0)
+    assert int(restored.optimizer.iterations) == 1
+    assert restored.mini_step == 1
+
+
+def test_h5_save_of_a_closed_window_does_not_warn(tmp_path):
+    x, y = regression_data(n=32)
+    model = _compiled(accum_mlp(K))
+    model.fit(x, y, batch_size=B, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save(tmp_path / "m.h5")
+    assert not [w for w in caught if "accumulation window" in str(w.message)]
+
+
+# -- Loading without `import keras_accum` -------------------------------------
+
+_LOAD_WITHOUT_PACKAGE = """
+import json, sys
+import keras
+outcomes = []
+for path in sys.argv[1:]:
+    try:
+        keras.saving.load_model(path)
+        outcomes.append({"error": None, "message": ""})
+    except Exception as error:
+        outcomes.append({"error": type(error).__name__, "message": str(error)})
+imported = "keras_accum" in sys.modules
+print("RESULTS " + json.dumps({"outcomes": outcomes, "imported": imported}))
+"""
+
+
+def test_loading_without_the_package_names_it(tmp_path):
+    paths = []
+    for kind in ("functional", "from_model"):
+        model = _h5_model(kind)
+        model.compile(optimizer="adam", loss="mse")
+        paths.append(tmp_path / f"{kind}.keras")
+        model.save(paths[-1])
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD_WITHOUT_PACKAGE)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("PYTHONPATH", None)
+    results = run_in_fresh_process([script, *paths], env)
+    assert results["imported"] is False
+    for outcome, name in zip(
+        results["outcomes"],
+        ["keras_accum.AccumModel", "keras_accum.AccumModel.from_model"],
+        strict=True,
+    ):
+        assert outcome["error"] == "TypeError"
+        assert f"Could not locate class '{name}'" in outcome["message"]
+        assert "make sure they are all imported" in outcome["message"]
+
+
+def test_files_with_the_earlier_class_names_load(tmp_path):
+    # The class names files of the first development releases carry.
+    x, y = regression_data(n=24)
+    model = _compiled(accum_mlp(K, partial_window="carry"))
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    model.save(tmp_path / "new.keras")
+    with zipfile.ZipFile(tmp_path / "new.keras") as archive:
+        members = {n: archive.read(n) for n in archive.namelist()}
+    config = json.loads(members["config.json"])
+    assert config["class_name"] == "keras_accum.AccumModel"
+    assert config["registered_name"] == "keras_accum>_FunctionalAccumModel"
+    config["class_name"] = "_FunctionalAccumModel"
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(tmp_path / "earlier.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    restored = keras.saving.load_model(tmp_path / "earlier.keras")
+    assert type(restored) is type(model)
+    assert restored.mini_step == model.mini_step == 3
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
