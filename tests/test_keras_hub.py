@@ -152,3 +152,22 @@ def test_from_model_trains_like_the_task_and_saves(name, tmp_path, report_diff):
     assert int(loaded.optimizer.iterations) == 6
     for a, b in zip(accum.get_weights(), loaded.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=0)
+
+
+def test_a_frozen_backbone_gets_no_accumulators():
+    x, y, _ = bert_data()
+    task = bert_classifier()
+    frozen = [w.numpy().copy() for w in task.backbone.weights]
+    task.backbone.trainable = False
+    accum = keras_accum.AccumModel.from_model(task, accum_steps=K)
+    _compile(accum)
+    head = [w.numpy().copy() for w in task.trainable_weights]
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    # The head's logits kernel and bias only.
+    assert len(accum.accumulators) == len(task.trainable_weights) == 2
+    for before, weight in zip(frozen, task.backbone.weights, strict=True):
+        np.testing.assert_array_equal(before, weight.numpy())
+    assert all(
+        float(np.max(np.abs(b - w.numpy()))) > 1e-4
+        for b, w in zip(head, task.trainable_weights, strict=True)
+    )
