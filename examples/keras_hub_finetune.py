@@ -1,7 +1,7 @@
 """Fine-tune a KerasHub text classifier with gradient accumulation.
 
 Builds a small `BertTextClassifier` from a configuration (random weights,
-a 30-word vocabulary: nothing is downloaded), converts it with
+a 29-token vocabulary: nothing is downloaded), converts it with
 `AccumModel.from_model`, and trains it on synthetic reviews at micro-batch
 8 with `accum_steps=4`. A second copy of the task, from the same weights,
 trains at batch 32 as a plain `keras.Model`; the script prints the largest
@@ -90,7 +90,7 @@ def bert_classifier():
     )
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=len(VOCABULARY),
-        num_layers=2,
+        num_layers=1,
         num_heads=4,
         hidden_dim=16,
         intermediate_dim=32,
@@ -133,7 +133,7 @@ def compile_like_the_task(model):
     # sparse cross-entropy from logits, accuracy), with SGD: Adam on an
     # embedding differs on TensorFlow (docs/guides/embeddings.md).
     model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
+        optimizer=keras.optimizers.SGD(0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[keras.metrics.SparseCategoricalAccuracy()],
     )
@@ -163,7 +163,8 @@ def main():
         verbose=2,
     )
     # The task shares the trained weights: predict from raw text with it.
-    print(task.predict(["a superb film", "dull and boring"], verbose=0))
+    logits = task.predict(["a superb film", "dull and boring"], verbose=0)
+    print(f"the task's logits for two raw reviews: {logits.tolist()}")
     # --8<-- [end:convert]
 
     # The large batch: the task itself, on raw text (its preprocessor gives

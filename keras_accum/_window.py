@@ -24,7 +24,9 @@ and, on TensorFlow, `tf.distribute`'s per-replica sums
 
 The variables are not tracked by the model: `get_weights()` and weights
 files stay those of a plain model; the window saves itself
-(`_window_saving.SavedWindow`).
+(`_window_saving.SavedWindow`). Under a `keras.distribution` (JAX), each
+accumulator is laid out like its weight and the rest is replicated
+(`layout_like`).
 """
 
 from __future__ import annotations
