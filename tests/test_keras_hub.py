@@ -11,7 +11,6 @@ Dropout is 0: a window's masks cannot be the large batch's.
 """
 
 import keras
-import keras_hub
 import numpy as np
 import pytest
 from _helpers import train_pair
@@ -44,6 +43,10 @@ def tokens(seed=0):
 
 
 def bert_classifier():
+    # Imported here: the JAX and PyTorch runs skip this module, and
+    # importing KerasHub costs them seconds.
+    import keras_hub
+
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=VOCAB,
@@ -71,6 +74,8 @@ def bert_data():
 
 
 def gpt2_causal_lm():
+    import keras_hub
+
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCAB,
