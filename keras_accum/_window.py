@@ -138,12 +138,10 @@ def layout_like(like, shape):
     if distribution is None:
         return None
     if like is not None:
-        layout = getattr(like, "_layout", None)
-        if layout is not None:
-            return layout
-        # A weight created before the distribution was set: it stays on
-        # its device, and so does its accumulator.
-        return like.value.sharding
+        # None for a weight created before the distribution was set: the
+        # accumulator then gets the distribution's layout for its own
+        # path, as the optimizer's slot does.
+        return getattr(like, "_layout", None)
     return keras.distribution.TensorLayout(
         [None] * len(shape), distribution.device_mesh
     )
