@@ -30,7 +30,10 @@ from keras_accum._window import ACC_DTYPE, WindowState
 def create(trainable_variables, length, strategy, close_hooks=()):
     """A `WindowState` of per-replica variables under `strategy`."""
 
-    def make_variable(name, shape, dtype, summed):
+    def make_variable(name, shape, dtype, summed, like):
+        # No layout to follow: Keras's TensorFlow backend implements no
+        # `keras.distribution` (3.15; `check_model` refuses one).
+        del like
         return keras.Variable(
             initializer="zeros",
             shape=shape,

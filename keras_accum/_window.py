@@ -24,7 +24,9 @@ and, on TensorFlow, `tf.distribute`'s per-replica sums
 
 The variables are not tracked by the model: `get_weights()` and weights
 files stay those of a plain model; the window saves itself
-(`_window_saving.SavedWindow`).
+(`_window_saving.SavedWindow`). Under a `keras.distribution` (JAX), each
+accumulator is laid out like its weight and the rest is replicated
+(`layout_like`).
 """
 
 from __future__ import annotations
@@ -106,14 +108,42 @@ class WindowValues(Mapping):
         return 1 + len(NAMES)
 
 
-def _plain_variable(name, shape, dtype, summed):
-    del summed  # One device: nothing to aggregate.
+def _plain_variable(name, shape, dtype, summed, like=None):
+    del summed  # No replicas to aggregate: one device, or one JAX array.
+    kwargs = {}
+    layout = layout_like(like, shape)
+    if layout is not None:
+        kwargs["layout"] = layout
     return keras.Variable(
         initializer="zeros",
         shape=shape,
         dtype=dtype,
         trainable=False,
         name=name,
+        **kwargs,
+    )
+
+
+def layout_like(like, shape):
+    """The layout of a window variable under a `keras.distribution`.
+
+    An accumulator (`like`: its weight) takes its weight's layout, as
+    Keras's optimizer gives its slots (`add_variable_from_reference`):
+    under `ModelParallel` each device holds the accumulator's shard of
+    the weight's shard, not the whole weight. The other variables
+    (`like=None`) are replicated, whatever the `LayoutMap` says of their
+    names. None without a distribution.
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return None
+    if like is not None:
+        # None for a weight created before the distribution was set: the
+        # accumulator then gets the distribution's layout for its own
+        # path, as the optimizer's slot does.
+        return getattr(like, "_layout", None)
+    return keras.distribution.TensorLayout(
+        [None] * len(shape), distribution.device_mesh
     )
 
 
@@ -157,9 +187,12 @@ class WindowState(SavedWindow):
     Args:
         trainable_variables: The model's trainable variables, in order.
         length: The first window's length.
-        make_variable: `make_variable(name, shape, dtype, summed)` creates
-            one variable; `summed` says whether replicas' copies add up
-            (TensorFlow creates per-replica variables with it).
+        make_variable: `make_variable(name, shape, dtype, summed, like)`
+            creates one variable; `summed` says whether replicas' copies
+            add up (TensorFlow creates per-replica variables with it);
+            `like` is the trainable variable an accumulator sums the
+            gradients of, whose layout it takes under a
+            `keras.distribution` (JAX), and None for the other variables.
         close_hooks: See the attribute.
     """
 
@@ -172,7 +205,7 @@ class WindowState(SavedWindow):
     ) -> None:
         self.close_hooks = list(close_hooks)
         self.acc_grads = [
-            make_variable(f"acc_grad_{i}", tuple(v.shape), ACC_DTYPE, True)
+            make_variable(f"acc_grad_{i}", tuple(v.shape), ACC_DTYPE, True, v)
             for i, v in enumerate(trainable_variables)
         ]
         for names, shape, dtype in (
@@ -182,7 +215,9 @@ class WindowState(SavedWindow):
             (INT_RINGS, (LOG_CAPACITY,), COUNT_DTYPE),
         ):
             for name in names:
-                variable = make_variable(name, shape, dtype, name in SUMMED)
+                variable = make_variable(
+                    name, shape, dtype, name in SUMMED, None
+                )
                 setattr(self, name, variable)
         self.window_length.assign(length)
         self.target_length.assign(length)

@@ -312,7 +312,16 @@ class AccumModel(_Trainer, keras.Model):
 
         The result shares `model`'s layers and weights (nothing is copied)
         and has the same weights in the same order, so `get_weights()` of
-        either loads into the other. Compile the result before `fit`.
+        either loads into the other. A `Sequential` or functional model is
+        rebuilt from its graph; any other model, including a functional
+        subclass that saves its own config (a KerasHub task), is wrapped
+        whole and saved with its own config.
+
+        Only the computation carries over: the result is uncompiled (compile
+        it before `fit`; a KerasHub task's compile defaults are not kept),
+        and `model`'s own methods and attributes, such as a KerasHub task's
+        `preprocessor` and `generate()`, stay on `model`. Use `model` for
+        them: it holds the trained weights.
 
         Args:
             model: A built `keras.Model`: `Sequential`, functional or
@@ -345,7 +354,8 @@ class AccumModel(_Trainer, keras.Model):
                 "`model` must be a `keras.Model`. "
                 f"Received: model={model!r} (of type {type(model).__name__})"
             )
-        if isinstance(model, Functional):  # Sequential and functional.
+        if isinstance(model, Functional) and not _serializes_itself(model):
+            # Sequential and functional: rebuilt from the same graph.
             try:
                 inputs, outputs = model.inputs, model.outputs
             except (AttributeError, ValueError):
@@ -679,9 +689,27 @@ class _FunctionalAccumModel(AccumModel, Functional):
         return super()._run_through_graph(*args, **kwargs)
 
 
+def _serializes_itself(model) -> bool:
+    """Whether a functional `model` is of a class with its own config.
+
+    Such a class (a KerasHub task, say) builds its graph in `__init__` and
+    saves its constructor's arguments, not the graph. `from_model` wraps
+    it rather than rebuilding the graph: the class, its config and its
+    own loading survive, where a rebuilt graph may not load again (a layer
+    that a nested model shares with the outer graph, such as GPT-2's tied
+    embedding, comes back as two layers in Keras 3.15).
+    """
+    get_config = getattr(type(model), "get_config", None)
+    return get_config not in (
+        Functional.get_config,
+        keras.Sequential.get_config,
+    )
+
+
 @keras.saving.register_keras_serializable(package="keras_accum")
 class _WrappedAccumModel(AccumModel):
-    """An `AccumModel` around a built subclassed model (`from_model`)."""
+    """An `AccumModel` around a built model (`from_model`): a subclassed
+    model, or a functional one whose class saves its own config."""
 
     def __init__(self, inner_model, **kwargs):
         super().__init__(**kwargs)

@@ -62,6 +62,7 @@ def test_every_page_exists_with_content(site):
         "guides/schedules/index.html",
         "guides/noise-scale/index.html",
         "guides/backends/index.html",
+        "guides/fine-tuning/index.html",
         "benchmarks/index.html",
         "changelog/index.html",
     ]:
@@ -73,6 +74,8 @@ def test_every_page_exists_with_content(site):
         ("guides/distributed/index.html", "MirroredStrategy([d.name"),
         ("guides/embeddings/index.html", "values=tf.ones((2, 2))"),
         ("guides/embeddings/index.html", "class DenseGradientModel"),
+        ("guides/fine-tuning/index.html", "AccumModel.from_model(task"),
+        ("guides/fine-tuning/index.html", "feedforward_output_dense/kernel"),
     ]:
         text = html.unescape(re.sub(r"<[^>]+>", "", (site / page).read_text()))
         assert code in text, page

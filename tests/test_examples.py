@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The KerasHub example's --distribute run starts its own JAX process.
 pytestmark = pytest.mark.tensorflow_only(
     reason="the examples run on TensorFlow (tf.data, tensorflow-datasets)"
 )
@@ -15,8 +16,12 @@ pytestmark = pytest.mark.tensorflow_only(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name, *args, timeout=600):
+def run_example(name, *args, timeout=600, backend=None):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    if backend is not None:
+        # The example's own devices (not the suite's XLA flags).
+        env.pop("XLA_FLAGS", None)
+        env["KERAS_BACKEND"] = backend
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         env=env,
@@ -103,3 +108,19 @@ def test_sparse_adam_repro_shows_keras_sparse_and_dense_steps_differ():
     # occurrence is squared, 2**2 when the repeats are summed first.
     np.testing.assert_allclose(rows["sparse"], -0.1 * 2 / np.sqrt(2), rtol=1e-4)
     np.testing.assert_allclose(rows["dense"], -0.1 * 2 / np.sqrt(4), rtol=1e-4)
+
+
+def test_keras_hub_finetune_distributed_matches_large_batch():
+    # On JAX under ModelParallel (8 simulated devices, the example sets
+    # them): the KerasHub task converted with from_model, and the large
+    # batch under the same distribution.
+    result = run_example("keras_hub_finetune.py", "--distribute", backend="jax")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "backend: jax" in out
+    assert "devices: 8, sharded weights: 10" in out
+    assert "the task's logits for two raw reviews" in out
+    assert "accumulators sharded like their weights: True" in out
+    assert "optimizer updates: accumulated 8, large batch 8" in out
+    diff = float(out.split("vs batch 32:")[1].split()[0])
+    assert diff < 1e-6

@@ -1,0 +1,187 @@
+"""Sharded accumulators under `keras.distribution.ModelParallel` (JAX).
+
+Started in a fresh process by `test_sharding.py`: XLA's simulated host
+devices must be set before JAX starts, and the rest of the JAX run has two
+(tests/conftest.py). Here there are 8, in a 2 x 4 mesh (`batch`, `model`):
+
+    KERAS_BACKEND=jax python _sharding_worker.py
+
+It trains a plain `keras.Model` at batch B * K and an `AccumModel` at batch
+B with `accum_steps=K` from the same weights on the same data, both under
+the same `ModelParallel`, and prints (`RESULTS {...}`) their weights after
+every update, each accumulator's sharding and its weight's, and the
+memory analysis of both compiled train steps. The test asserts; this
+script only measures.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if "xla_force_host_platform_device_count" not in flag
+    ]
+    + ["--xla_force_host_platform_device_count=8"]
+)
+
+import jax
+import keras
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _helpers import UpdateRecorder
+
+import keras_accum
+
+# Micro-batch, window length, samples: windows of 4, 4 and 1 micro-batches
+# per epoch, the last one 6 samples (3 on each `batch` row of the mesh).
+B, K, N = 8, 4, 70
+EPOCHS = 2
+VOCAB, DIM, LENGTH, HIDDEN, OUTPUTS = 64, 32, 8, 1024, 16
+MESH = (2, 4)
+
+
+def distribution():
+    mesh = keras.distribution.DeviceMesh(
+        MESH, ["batch", "model"], jax.devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    # Megatron-style: the first kernel split by columns, the second by
+    # rows; the embedding table along its features. Biases replicated.
+    layout_map["tokens/embeddings"] = (None, "model")
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def model(model_cls, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, DIM, name="tokens")(inputs)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(HIDDEN, activation="tanh", name="up")(x)
+    outputs = keras.layers.Dense(OUTPUTS, name="down")(x)
+    return model_cls(inputs, outputs, **kwargs)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(N, LENGTH)).astype("int32")
+    y = rng.normal(size=(N, OUTPUTS)).astype("float32")
+    return x, y
+
+
+def fit(model, x, y, batch_size):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    recorder = UpdateRecorder()
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    return [(i, [w.tolist() for w in ws]) for i, ws in recorder.updates]
+
+
+def compiled_step(model, x, y, batch_size):
+    """The train step as Keras jits it under a distribution, compiled."""
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
+    layout = keras.distribution.distribution().get_data_layout
+    batch = tuple(
+        jax.device_put(a[:batch_size], layout(a.shape).backend_layout)
+        for a in (x, y)
+    )
+    step = jax.jit(
+        model.train_step,
+        donate_argnums=0,
+        out_shardings=(None, model._get_state_sharding_spec()),
+    )
+    return step.lower(state, batch).compile()
+
+
+def main():
+    keras.distribution.set_distribution(distribution())
+    x, y = data()
+    plain = model(keras.Model)
+    accum = model(keras_accum.AccumModel, accum_steps=K)
+    accum.set_weights(plain.get_weights())
+    updates = {
+        "plain": fit(plain, x, y, B * K),
+        "accum": fit(accum, x, y, B),
+    }
+    shardings = [
+        {
+            "path": weight.path,
+            "spec": str(weight.value.sharding.spec),
+            "weight": str(weight.value.sharding),
+            "accumulator": str(accumulator.value.sharding),
+            "same": accumulator.value.sharding == weight.value.sharding,
+            "weight_shard_shape": list(
+                weight.value.sharding.shard_shape(weight.value.shape)
+            ),
+            "accumulator_shard_shape": list(
+                accumulator.value.sharding.shard_shape(accumulator.value.shape)
+            ),
+        }
+        for weight, accumulator in zip(
+            accum.trainable_variables, accum.accumulators, strict=True
+        )
+    ]
+    counters = [
+        str(v.value.sharding.spec)
+        for v in accum._window.variables[len(accum.accumulators) :]
+    ]
+    memory, collectives = {}, {}
+    for name, m, batch in (("plain", plain, B * K), ("accum", accum, B)):
+        compiled = compiled_step(m, x, y, batch)
+        analysis = compiled.memory_analysis()
+        memory[name] = {
+            field: int(getattr(analysis, f"{field}_size_in_bytes"))
+            for field in ("argument", "output", "alias", "temp")
+        }
+        # The shapes each all-gather assembles (one per device).
+        collectives[name] = [
+            [int(d) for d in dims.split(",") if d]
+            for dims in re.findall(
+                r"= f32\[([\d,]*)\]\S* all-gather(?:-start)?\(",
+                compiled.as_text(),
+            )
+        ]
+    parameters = [
+        {
+            "bytes": int(np.prod(w.shape)) * 4,
+            "shards": int(np.prod(w.shape))
+            // int(np.prod(w.value.sharding.shard_shape(w.value.shape))),
+        }
+        for w in accum.trainable_variables
+    ]
+    results = {
+        "devices": len(jax.devices()),
+        "updates": updates,
+        "shardings": shardings,
+        "counters": counters,
+        "memory": memory,
+        "collectives": collectives,
+        "parameters": parameters,
+    }
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""KerasHub tasks converted with `AccumModel.from_model`.
+
+Built from small configurations with random weights (nothing is
+downloaded): a `BertTextClassifier` and a `GPT2CausalLM`, each trained as
+an `AccumModel` at batch B with `accum_steps=K` and compared after every
+update with the task itself, a plain `keras.Model`, at batch B * K; then
+saved as a `.keras` file, loaded, and trained on identically. SGD, so that
+the comparison holds on TensorFlow too, where Keras's Adam updates an
+embedding from its per-occurrence rows (docs/guides/embeddings.md).
+Dropout is 0: a window's masks cannot be the large batch's.
+"""
+
+import keras
+import numpy as np
+import pytest
+from _helpers import train_pair
+
+import keras_accum
+
+# Conversion and `.keras` saving are Keras code, the same on every backend;
+# about 20 s a run, so once. The JAX run's sharding of the accumulators is
+# tests/test_sharding.py, and the TensorFlow run also trains a KerasHub
+# classifier on JAX (examples/keras_hub_finetune.py, test_examples.py).
+pytestmark = pytest.mark.full_run_only(
+    reason="KerasHub tasks through from_model: backend-neutral Keras code; "
+    "test_model.py's from_model cases cover the conversion on this backend"
+)
+
+# Micro-batch, window length, samples: two windows per epoch. Full
+# batches only, so that each model compiles one step (an uneven last batch
+# is covered by tests/test_model.py).
+B, K, N = 4, 4, 32
+VOCAB, LENGTH = 40, 8
+
+
+def tokens(seed=0):
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(1, VOCAB, size=(N, LENGTH)).astype("int32")
+    # Padding at the end of each sequence, of varying length.
+    lengths = rng.integers(3, LENGTH + 1, size=(N, 1))
+    padding_mask = np.arange(LENGTH)[None, :] < lengths
+    return np.where(padding_mask, token_ids, 0), padding_mask
+
+
+def bert_classifier():
+    # Imported here: the JAX and PyTorch runs skip this module, and
+    # importing KerasHub costs them seconds.
+    import keras_hub
+
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
+    )
+    return keras_hub.models.BertTextClassifier(
+        backbone, num_classes=3, preprocessor=None, dropout=0.0
+    )
+
+
+def bert_data():
+    token_ids, padding_mask = tokens()
+    x = {
+        "token_ids": token_ids,
+        "segment_ids": np.zeros_like(token_ids),
+        "padding_mask": padding_mask,
+    }
+    y = np.random.default_rng(1).integers(0, 3, size=(N,))
+    return x, y, None
+
+
+def gpt2_causal_lm():
+    import keras_hub
+
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def gpt2_data():
+    # What the task's preprocessor would give: the next token as the label,
+    # padding out of the loss through the sample weights.
+    token_ids, padding_mask = tokens()
+    x = {"token_ids": token_ids[:, :-1], "padding_mask": padding_mask[:, :-1]}
+    y = token_ids[:, 1:]
+    sample_weight = padding_mask[:, 1:].astype("float32")
+    return x, y, sample_weight
+
+
+TASKS = {
+    "bert_text_classifier": (bert_classifier, bert_data),
+    "gpt2_causal_lm": (gpt2_causal_lm, gpt2_data),
+}
+
+
+def _compile(model):
+    # The tasks' own default loss (and weighted metric for the causal LM),
+    # with SGD in place of their Adam.
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_from_model_trains_like_the_task_and_saves(name, tmp_path, report_diff):
+    build, data = TASKS[name]
+    x, y, sample_weight = data()
+    plain = build()
+    task = build()
+    accum = keras_accum.AccumModel.from_model(task, accum_steps=K)
+    # The conversion shares the task's weights: training one trains both.
+    assert accum.trainable_weights == task.trainable_weights
+    accum.set_weights(plain.get_weights())
+    _compile(plain)
+    _compile(accum)
+    fit_kwargs = {}
+    if sample_weight is not None:
+        fit_kwargs["sample_weight"] = sample_weight
+    diff, _, _ = train_pair(plain, accum, x, y, B, K, **fit_kwargs)
+    report_diff(diff, f"KerasHub {name}, SGD")
+    assert int(accum.optimizer.iterations) == 4
+    assert any(
+        float(np.max(np.abs(a - b))) > 1e-3
+        for a, b in zip(task.get_weights(), build().get_weights(), strict=True)
+    ), "training moved no weight of the task"
+
+    # Saved and loaded: the loaded model trains on exactly as the original.
+    path = tmp_path / f"{name}.keras"
+    accum.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, keras_accum.AccumModel)
+    assert loaded.accum_steps == K
+    for model in (accum, loaded):
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            **fit_kwargs,
+        )
+    assert int(loaded.optimizer.iterations) == 6
+    for a, b in zip(accum.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-7, rtol=0)
+
+
+def test_a_frozen_backbone_gets_no_accumulators():
+    x, y, _ = bert_data()
+    task = bert_classifier()
+    frozen = [w.numpy().copy() for w in task.backbone.weights]
+    task.backbone.trainable = False
+    accum = keras_accum.AccumModel.from_model(task, accum_steps=K)
+    _compile(accum)
+    head = [w.numpy().copy() for w in task.trainable_weights]
+    accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    # The head's logits kernel and bias only.
+    assert len(accum.accumulators) == len(task.trainable_weights) == 2
+    for before, weight in zip(frozen, task.backbone.weights, strict=True):
+        np.testing.assert_array_equal(before, weight.numpy())
+    assert all(
+        float(np.max(np.abs(b - w.numpy()))) > 1e-4
+        for b, w in zip(head, task.trainable_weights, strict=True)
+    )

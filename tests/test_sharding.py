@@ -1,0 +1,176 @@
+"""Accumulators laid out like their weights under `keras.distribution`.
+
+On JAX, under `ModelParallel` with a `LayoutMap`, every accumulator takes
+its weight's sharding (as Keras's optimizer slots do), so that a device
+holds the accumulator of the shard it holds, not of the whole weight. The
+case runs in a fresh process with 8 simulated CPU devices in a 2 x 4 mesh
+(`_sharding_worker.py`). `keras.distribution` on TensorFlow and PyTorch,
+which Keras 3.15 accepts there but ignores, is refused.
+"""
+
+import os
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from _helpers import run_in_fresh_process
+
+import keras_accum
+
+BACKEND = keras.backend.backend()
+WORKER = Path(__file__).with_name("_sharding_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "JAX_PLATFORMS": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    results = run_in_fresh_process([WORKER], env)
+    assert results["devices"] == 8
+    return results
+
+
+ON_JAX = pytest.mark.skipif(
+    BACKEND != "jax", reason="keras.distribution is implemented on JAX only"
+)
+
+
+@ON_JAX
+def test_model_parallel_equals_plain_keras_update_by_update(
+    model_parallel, report_diff
+):
+    plain = model_parallel["updates"]["plain"]
+    accum = model_parallel["updates"]["accum"]
+    # 70 samples, windows of 4, 4 and 1 micro-batches (the last one of 6
+    # samples), over 2 epochs.
+    assert [i for i, _ in accum] == [i for i, _ in plain] == [1, 2, 3, 4, 5, 6]
+    diff = 0.0
+    for (_, accum_weights), (_, plain_weights) in zip(
+        accum, plain, strict=True
+    ):
+        for a, p in zip(accum_weights, plain_weights, strict=True):
+            np.testing.assert_allclose(a, p, atol=1e-6, rtol=0)
+            diff = max(diff, float(np.max(np.abs(np.subtract(a, p)))))
+    report_diff(diff, "JAX ModelParallel, 2 x 4 mesh, 8 devices")
+
+
+@ON_JAX
+def test_each_accumulator_is_sharded_like_its_weight(model_parallel):
+    shardings = {s["path"]: s for s in model_parallel["shardings"]}
+    assert set(shardings) == {
+        "tokens/embeddings",
+        "up/kernel",
+        "up/bias",
+        "down/kernel",
+        "down/bias",
+    }
+    for path, sharding in shardings.items():
+        assert sharding["same"], sharding
+        assert sharding["accumulator"] == sharding["weight"], path
+        assert (
+            sharding["accumulator_shard_shape"]
+            == sharding["weight_shard_shape"]
+        ), path
+    # The LayoutMap's shards: a quarter of each sharded weight per device.
+    assert shardings["tokens/embeddings"]["accumulator_shard_shape"] == [64, 8]
+    assert shardings["up/kernel"]["accumulator_shard_shape"] == [256, 256]
+    assert shardings["down/kernel"]["accumulator_shard_shape"] == [256, 16]
+    assert shardings["up/bias"]["accumulator_shard_shape"] == [1024]
+    # The window's counters, totals and rings: replicated.
+    assert model_parallel["counters"]
+    for spec in model_parallel["counters"]:
+        assert "model" not in spec and "batch" not in spec, spec
+
+
+@ON_JAX
+def test_accumulators_add_their_shard_per_device_not_the_weights(
+    model_parallel,
+):
+    parameters = model_parallel["parameters"]
+    whole = sum(p["bytes"] for p in parameters)
+    per_device = sum(p["bytes"] // p["shards"] for p in parameters)
+    assert per_device < 0.3 * whole
+    plain = model_parallel["memory"]["plain"]
+    accum = model_parallel["memory"]["accum"]
+    # The step's state, per device, grows by the accumulators' shards (and
+    # the window's scalars and rings, a few KiB); all of it donated.
+    extra = accum["argument"] - plain["argument"]
+    assert per_device <= extra <= per_device + 16 * 1024, (extra, per_device)
+    assert accum["output"] - accum["alias"] < 4096
+    # No transient copy of an accumulator or weight beyond a plain step's
+    # (replicated accumulators measured +0.7 P here: gathered gradients).
+    assert accum["temp"] <= plain["temp"] + 0.05 * per_device
+
+
+@ON_JAX
+def test_no_sharded_weight_or_accumulator_is_gathered(model_parallel):
+    whole = {
+        "tokens/embeddings": (64, 32),
+        "up/kernel": (256, 1024),
+        "down/kernel": (1024, 16),
+    }
+    sharded = {
+        s["path"] for s in model_parallel["shardings"] if "model" in s["spec"]
+    }
+    assert sharded == set(whole)
+    gathered = {
+        name: [tuple(shape) for shape in shapes]
+        for name, shapes in model_parallel["collectives"].items()
+    }
+    for name, shapes in gathered.items():
+        assert not set(shapes) & set(whole.values()), (name, shapes)
+    # What the step gathers: activations and replicated values, no more
+    # than a plain step's plus a replicated accumulator (the bias's, added
+    # on its shards, then gathered).
+
+    def size(shapes):
+        return sum(4 * int(np.prod(s)) for s in shapes)
+
+    assert size(gathered["accum"]) <= size(gathered["plain"]) + 4 * 1024
+
+
+# -- TensorFlow and PyTorch: refused ------------------------------------------
+
+
+@pytest.mark.skipif(
+    BACKEND == "jax", reason="JAX implements keras.distribution (above)"
+)
+@pytest.mark.parametrize("kind", ["model_parallel", "data_parallel"])
+def test_keras_distribution_is_refused_where_keras_ignores_it(kind):
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    if kind == "model_parallel":
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense.*kernel"] = (None, "model")
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    else:
+        distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    x = np.ones((16, 5), "float32")
+    y = np.ones((16, 3), "float32")
+    keras.distribution.set_distribution(distribution)
+    try:
+        inputs = keras.Input((5,))
+        model = keras_accum.AccumModel(
+            inputs, keras.layers.Dense(3)(inputs), accum_steps=2
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(ValueError) as error:
+            model.fit(x, y, batch_size=4, verbose=0)
+        message = str(error.value)
+        assert f"on the {BACKEND} backend" in message
+        assert "KERAS_BACKEND=jax" in message
+        assert f"distribution={distribution!r}" in message
+        # The weights were not touched.
+        assert int(model.optimizer.iterations) == 0
+    finally:
+        keras.distribution.set_distribution(None)
+    # Without the distribution, the same model trains.
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations) == 2
