@@ -3,11 +3,14 @@
 The three backends share the window rules (`_window.py`); what those
 rules, or Keras under them, do not cover is refused with one error naming
 the feature and the backend: today Flax NNX mode on JAX, whose trainer
-calls the step another way, and a `keras.distribution` on TensorFlow or
-PyTorch, which Keras 3.15 accepts there but does not implement.
+calls the step another way. A `keras.distribution` on TensorFlow or
+PyTorch, which Keras 3.15 accepts there but does not implement, is
+warned about: plain Keras trains on one device, and so does `AccumModel`.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import keras
 
@@ -32,16 +35,18 @@ def check_model(model) -> None:
     distribution = keras.distribution.distribution()
     if backend != "jax" and distribution is not None:
         # Keras 3.15 accepts the distribution on these backends and then
-        # ignores it: every weight stays whole on one device. Training
-        # would run, unsharded, with none of what the user asked for.
-        raise ValueError(
+        # ignores it: every weight stays whole on one device. A plain model
+        # trains that way without a word; the same training here (equal
+        # to it, so still a drop-in), but said aloud, since whoever set a
+        # distribution expected less memory per device.
+        warnings.warn(
             "`keras.distribution` (DataParallel, ModelParallel) is "
             "implemented only by Keras's JAX backend: on the "
             f"{backend} backend Keras leaves every weight whole on one "
-            "device, and AccumModel's accumulators would be whole too. "
+            "device, and AccumModel's accumulators are whole too. "
             "For sharded weights and accumulators, use the JAX backend "
             "(`export KERAS_BACKEND=jax`); for data parallelism on "
-            "TensorFlow, a `tf.distribute` strategy. Or call "
-            "`keras.distribution.set_distribution(None)`. Received: "
-            f"distribution={distribution!r}"
+            "TensorFlow, a `tf.distribute` strategy. Received: "
+            f"distribution={distribution!r}",
+            stacklevel=2,
         )
