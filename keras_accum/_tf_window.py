@@ -32,7 +32,7 @@ def create(trainable_variables, length, strategy, close_hooks=()):
 
     def make_variable(name, shape, dtype, summed, like):
         # No layout to follow: Keras's TensorFlow backend implements no
-        # `keras.distribution` (3.15; `check_model` refuses one).
+        # `keras.distribution` (3.15; `check_model` warns of one).
         del like
         return keras.Variable(
             initializer="zeros",

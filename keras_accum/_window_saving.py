@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import zipfile
 from typing import NamedTuple
 
@@ -261,18 +262,21 @@ def _check_values(values, rules, where):
         fail("window_length", length, f"1..{INT_MAX}")
     if ints["mini_step"] > 0 and rules.lengths and length not in rules.lengths:
         # An open window's length was fixed when it started, by
-        # `accum_steps` then. (Between windows the next one takes the
-        # length from the model, so a stale one there is harmless.)
+        # `accum_steps` then. A run that changed `accum_steps` mid-window
+        # (a callback, then a backup) saves such a window legitimately, and
+        # a restart builds the model with the first value: loaded as saved,
+        # said aloud in case the file is damaged instead. (Between windows
+        # the next one takes the length from the model: harmless there.)
         allowed = " or ".join(str(n) for n in sorted(set(rules.lengths)))
-        fail(
-            "window_length",
-            length,
-            allowed,
-            f"{context}; a window keeps the length it started with: if the "
-            "file was saved after changing `accum_steps` in the middle of a "
-            f"window, build the model with accum_steps={length}, load the "
-            "file, then change it",
-            exact=True,
+        warnings.warn(
+            f"The saved accumulation window entry `window_length` = {length} "
+            f"is not {allowed} ({context}){where}: the open window "
+            f"({ints['mini_step']} micro-batches in) closes after {length} "
+            "micro-batches, the length it started with; the next windows "
+            "take `accum_steps`. Expected when `accum_steps` changed in the "
+            "middle of a window before the file was saved; otherwise the "
+            "file is damaged.",
+            stacklevel=4,
         )
     mini_step = ints["mini_step"]
     if not 0 <= mini_step < length:
