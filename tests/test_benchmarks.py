@@ -127,8 +127,8 @@ def test_loss_scale_script_smoke(tmp_path):
             sys.executable,
             str(ROOT / "benchmarks" / "bench_loss_scale.py"),
             "--backends=tensorflow",
-            "--scales=16,18",
-            "--dynamic-updates=2",
+            "--scales=16",
+            "--dynamic-updates=1",
             f"--out={out}",
         ],
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
@@ -138,9 +138,12 @@ def test_loss_scale_script_smoke(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    one = json.loads(out.read_text())["tensorflow"]["one_update"]
-    # The guide's threshold: both apply at 2^16 and overflow at 2^18.
+    results = json.loads(out.read_text())["tensorflow"]
+    # Both apply their update at 2^16 (the guide's table; 2^18, where both
+    # overflow, is in test_robustness.py).
     for variant in ("large", "accum"):
-        assert [row["skipped"] for row in one[variant]] == [False, True]
-    assert one["accum"][0]["relative_error"] < 1e-3
+        (row,) = results["one_update"][variant]
+        assert not row["skipped"] and row["relative_error"] < 1e-3
+    (dynamic,) = results["dynamic"]["accum"]
+    assert dynamic["skipped"] == 0
     assert "| 16 |" in result.stdout
