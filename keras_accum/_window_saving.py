@@ -89,6 +89,9 @@ class SavedWindow(KerasSaveable):
     """
 
     load_rules = None
+    # Set by `check_file` for the load that follows it, whose own check
+    # then keeps quiet: the warning it would repeat was given already.
+    _checked_file = False
 
     def _obj_type(self):
         # Keras accepts only its own kinds here; it decides which attributes
@@ -105,7 +108,11 @@ class SavedWindow(KerasSaveable):
         if not list(store.keys()):
             # Saved before any training, or by a plain model: start fresh.
             return
-        values = check_saved_window(store, self._shapes(), self._rules())
+        checked, self._checked_file = self._checked_file, False
+        with warnings.catch_warnings():
+            if checked:
+                warnings.simplefilter("ignore")
+            values = check_saved_window(store, self._shapes(), self._rules())
         # Only once every entry passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
             acc.assign(np.asarray(values[f"acc_grad_{i}"]))
@@ -144,6 +151,7 @@ class SavedWindow(KerasSaveable):
         if group is None or not list(group.keys()):
             return
         check_saved_window(group, self._shapes(), self._rules(), where)
+        self._checked_file = True
 
     def _shapes(self):
         return [tuple(acc.shape) for acc in self.acc_grads]

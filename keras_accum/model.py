@@ -563,7 +563,12 @@ class AccumModel(_Trainer, keras.Model):
             # window must fail before either. (With `skip_mismatch`, Keras
             # warns and leaves the window as it is.)
             self._window.check_file(filepath)
-        return super().load_weights(filepath, *args, **kwargs)
+        try:
+            return super().load_weights(filepath, *args, **kwargs)
+        finally:
+            if self._window is not None:
+                # Only for this load, even one Keras gave up on.
+                self._window._checked_file = False
 
     def fit(
         self,
