@@ -15,24 +15,25 @@ pytestmark = pytest.mark.tensorflow_only(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script, out, *args):
-    """Runs `benchmarks/<script>` writing `out`; returns its JSON."""
+def _script(script, *args, env=None):
+    """Runs `benchmarks/<script> *args`; returns the finished process."""
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / script),
-            "--models=mlp",
-            "--samples-per-run=256",
-            f"--out={out}",
-            *args,
-        ],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def _run(script, out, *args):
+    """Runs `benchmarks/<script>` writing `out`; returns its JSON."""
+    _script(
+        script, "--models=mlp", "--samples-per-run=256", f"--out={out}", *args
+    )
     return json.loads(out.read_text())
 
 
@@ -90,15 +91,7 @@ def test_backends_script_smoke(tmp_path):
 
 def _memory_child(backend, *args):
     """What one measured process of `bench_memory.py` reports."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), *args],
-        env={**os.environ, "KERAS_BACKEND": backend},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = _script("bench_memory.py", *args, env={"KERAS_BACKEND": backend})
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -122,22 +115,13 @@ def test_memory_sweep_child_smoke():
 
 def test_loss_scale_script_smoke(tmp_path):
     out = tmp_path / "loss_scale.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_loss_scale.py"),
-            "--backends=tensorflow",
-            "--scales=16",
-            "--dynamic-updates=1",
-            f"--out={out}",
-        ],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    result = _script(
+        "bench_loss_scale.py",
+        "--backends=tensorflow",
+        "--scales=16",
+        "--dynamic-updates=1",
+        f"--out={out}",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads(out.read_text())["tensorflow"]
     # Both apply their update at 2^16 (the guide's table; 2^18, where both
     # overflow, is in test_robustness.py).

@@ -42,21 +42,25 @@ def tokens(seed=0):
     return np.where(padding_mask, token_ids, 0), padding_mask
 
 
+# One transformer layer of width 8, no dropout: BERT's and GPT-2's.
+TINY_BACKBONE = {
+    "vocabulary_size": VOCAB,
+    "num_layers": 1,
+    "num_heads": 2,
+    "hidden_dim": 8,
+    "intermediate_dim": 16,
+    "max_sequence_length": LENGTH,
+    "dropout": 0.0,
+}
+
+
 def bert_classifier():
     # Imported here: the JAX and PyTorch runs skip this module, and
     # importing KerasHub costs them seconds.
     import keras_hub
 
     keras.utils.set_random_seed(1)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=LENGTH,
-        dropout=0.0,
-    )
+    backbone = keras_hub.models.BertBackbone(**TINY_BACKBONE)
     return keras_hub.models.BertTextClassifier(
         backbone, num_classes=3, preprocessor=None, dropout=0.0
     )
@@ -77,15 +81,7 @@ def gpt2_causal_lm():
     import keras_hub
 
     keras.utils.set_random_seed(1)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=LENGTH,
-        dropout=0.0,
-    )
+    backbone = keras_hub.models.GPT2Backbone(**TINY_BACKBONE)
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 

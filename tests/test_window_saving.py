@@ -18,6 +18,8 @@ from _helpers import accum_mlp, regression_data, run_in_fresh_process
 import keras_accum
 
 B, K = 8, 4
+# The file format, written out rather than imported from the library: a
+# counter renamed there must fail these tests, as old files would.
 COUNTERS = (
     "acc_normalizer",
     "acc_loss",
