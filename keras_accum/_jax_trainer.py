@@ -323,21 +323,41 @@ def _close(
     new = {}
 
     def update(go, gradients):
-        def apply(trainable_values, optimizer_values):
+        def apply(trainable_values, optimizer_values, accumulators):
+            del accumulators  # `gradients()` reads them.
+            window_gradients = gradients()
             grads = [
                 keras.ops.cast(g, value.dtype)
-                for g, value in zip(gradients(), trainable_values, strict=True)
+                for g, value in zip(
+                    window_gradients, trainable_values, strict=True
+                )
             ]
-            return optimizer.stateless_apply(
+            trainable, optimizer_new = optimizer.stateless_apply(
                 optimizer_values, grads, trainable_values
             )
+            # The window's gradient becomes the accumulators' value (the
+            # next micro-batch overwrites it): XLA then divides each
+            # accumulator into its own buffer, where a quotient of every
+            # weight alive until the apply cost a copy of the weights
+            # (measured, 7-layer MLP: the step's temporaries 1.0 P before,
+            # 0.23 P now, 0.36 P for `Model(B)`).
+            return trainable, optimizer_new, window_gradients
 
-        def keep(trainable_values, optimizer_values):
-            return list(trainable_values), list(optimizer_values)
+        def keep(trainable_values, optimizer_values, accumulators):
+            return (
+                list(trainable_values),
+                list(optimizer_values),
+                list(accumulators),
+            )
 
         # Only the chosen branch runs: one optimizer apply per window.
-        new["trainable"], new["optimizer"] = jax.lax.cond(
-            go, apply, keep, list(trainable_values), list(optimizer_values)
+        new["trainable"], new["optimizer"], new["acc_grads"] = jax.lax.cond(
+            go,
+            apply,
+            keep,
+            list(trainable_values),
+            list(optimizer_values),
+            list(window["acc_grads"]),
         )
         return new["optimizer"][_iterations_index(optimizer)]
 
@@ -352,6 +372,7 @@ def _close(
         noise_every=noise_every,
         loss_scale=loss_scale,
     )
+    window = window.replace(acc_grads=new["acc_grads"])
     return window, new["trainable"], new["optimizer"], applied
 
 

@@ -83,30 +83,32 @@ class TensorFlowAccumTrainer(AccumTrainer):
         none_grads = self._window_none_grads = [g is None for g in gradients]
 
         # Apply: into the window, and the window once it is complete. Its
-        # writes wait for the micro-batch, its loss and every gradient.
-        # Without that, ops that read no data (counters, a constant batch
-        # size) still run when the step fails: on the call that finds an
-        # input of unknown length exhausted, or on an error in the forward
-        # pass, they would count a micro-batch whose gradient never entered
-        # the window. On every gradient, not only the loss: under
-        # MultiWorkerMirroredStrategy a narrower set let the workers launch
-        # their gradient all-reduces in different orders.
+        # counters and its update wait for the micro-batch, its loss and
+        # every gradient. Without that, ops that read no data (counters, a
+        # constant batch size) still run when the step fails: on the call
+        # that finds an input of unknown length exhausted, or on an error
+        # in the forward pass, they would count a micro-batch whose
+        # gradient never entered the window. On every gradient, not only
+        # the loss: under MultiWorkerMirroredStrategy a narrower set let
+        # the workers launch their gradient all-reduces in different
+        # orders. (Each accumulator's write waits for its own gradient
+        # only: see `_tf_window.accumulate`.)
         ready = [
             t
             for t in tf.nest.flatten(data, expand_composites=True)
             if tf.is_tensor(t)
         ]
         ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
-        with tf.control_dependencies(ready):
-            self._add_to_window(
-                window,
-                gradients,
-                none_grads,
-                weight,
-                normalizer,
-                window_loss_term,
-                batch_size,
-            )
+        self._add_to_window(
+            window,
+            gradients,
+            none_grads,
+            weight,
+            normalizer,
+            window_loss_term,
+            batch_size,
+            ready,
+        )
 
         # Metrics.
         return self._logs_for_strategy(
@@ -122,10 +124,15 @@ class TensorFlowAccumTrainer(AccumTrainer):
         normalizer,
         window_loss_term,
         batch_size,
+        ready,
     ):
-        """Adds a micro-batch to the window and applies a complete one."""
+        """Adds a micro-batch to the window and applies a complete one.
+
+        What it changes besides the accumulators waits for `ready`.
+        """
         trainable_weights = self.trainable_weights
-        scheduled = self._scheduled_length(self.optimizer.iterations)
+        with tf.control_dependencies(ready):
+            scheduled = self._scheduled_length(self.optimizer.iterations)
         noise_every = self._noise_scale_every
         xla = bool(self.jit_compile)
 
@@ -140,17 +147,19 @@ class TensorFlowAccumTrainer(AccumTrainer):
                 scheduled,
                 noise_every,
                 xla,
+                ready,
             )
-            complete = _window_is_complete(window, self._partial_window)
-            _tf_window.close(
-                window,
-                self.optimizer,
-                trainable_weights,
-                complete,
-                none_grads,
-                noise_every,
-                xla,
-            )
+            with tf.control_dependencies(ready):
+                complete = _window_is_complete(window, self._partial_window)
+                _tf_window.close(
+                    window,
+                    self.optimizer,
+                    trainable_weights,
+                    complete,
+                    none_grads,
+                    noise_every,
+                    xla,
+                )
 
         if self._accum_steps == 1 and _tf_window.supports_direct_apply():
             # A one-micro-batch window is the micro-batch: apply its
@@ -159,8 +168,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
             # micro-batch's gradients for its whole run, which would cost
             # a gradient-sized buffer during every longer window's apply.
             # The runtime check keeps a later `accum_steps` change exact.
+            with tf.control_dependencies(ready):
+                direct = _tf_window.is_direct(window)
             tf.cond(
-                _tf_window.is_direct(window),
+                direct,
                 lambda: _tf_window.apply_direct(
                     window,
                     self.optimizer,

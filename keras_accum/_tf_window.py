@@ -3,8 +3,10 @@
 The window's rules are `_window.py`'s; TensorFlow's graph step runs them on
 its variables, and only these parts differ:
 
-- the accumulators are written in place, inside conditionals that form
-  each weighted gradient one at a time (less memory than new values);
+- each accumulator is written as soon as backpropagation has made its
+  gradient, and the update runs the optimizer on one weight after
+  another, so that a step holds about one layer's gradient at a time, as
+  a plain step does;
 - under `tf.distribute` every window variable is per replica (`ON_READ`):
   micro-steps touch only local memory, and nothing crosses devices until
   the update, where the replicas exchange one packed vector of window
@@ -18,6 +20,8 @@ its variables, and only these parts differ:
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -65,91 +69,81 @@ def accumulate(
     scheduled=None,
     noise_every=0,
     xla=False,
+    ready=(),
 ):
-    """`_window.accumulate`, with the accumulators written in place."""
-    # (The step runs this under control dependencies on the micro-batch,
-    # its loss and its gradients: see `TensorFlowAccumTrainer.train_step`.)
-    window = _window.accumulate(
-        state.values(),
-        grads,
-        weight,
-        normalizer,
-        loss,
-        samples,
-        scheduled,
-        noise_every,
-        add=_in_place_add(state, noise_every, xla),
-    )
-    state.write(window)
+    """`_window.accumulate`, each accumulator written as its gradient comes.
+
+    A plain step updates each weight as soon as backpropagation has made
+    its gradient, which frees it: a step holds about one layer's gradient
+    at a time. So here each accumulator's write waits for its own gradient
+    only, and the window's counters and totals for `ready` (the
+    micro-batch, its loss and every gradient: see
+    `TensorFlowAccumTrainer.train_step`). Waiting for every gradient
+    before any write held all of them at once, a copy of the weights
+    (measured, 7-layer MLP: the step's peak 0.34 P above the persistent
+    state for `Model(B)`, 1.0 P for `AccumModel` before, 0.34 P now).
+    """
+    weight = tf.cast(weight, ACC_DTYPE)
+    # Read before the counters move: `_window.accumulate` sees the same.
+    starting = tf.equal(state.mini_step.value, 0)
+    measure = None
+    if noise_every == 1:
+        measure = True
+    elif noise_every:
+        measure = tf.equal(state.log_count.value % noise_every, 0)
+    squares = _add_each(state, grads, weight, starting, measure, xla)
+    with tf.control_dependencies(list(ready)):
+        window = _window.accumulate(
+            state.values(),
+            grads,
+            weight,
+            normalizer,
+            loss,
+            samples,
+            scheduled,
+            noise_every,
+            # Written above, in place.
+            add=lambda *_: (None, squares),
+        )
+        state.write(window)
 
 
-def _in_place_add(state, noise_every, xla):
-    """`_window.accumulate`'s `add`, assigning into the variables."""
+def _add_each(state, grads, weight, starting, measure, xla):
+    """Writes `grads` times `weight` into the accumulators, one by one.
 
-    def add(window, grads, weight, starting, measure):
-        del window  # Written in place: the values are never read.
-        pairs = []
-        for acc, grad in zip(state.acc_grads, grads, strict=True):
-            if grad is None:
-                continue
-            # Embedding gradients (`IndexedSlices`) densify here: the
-            # accumulator is dense anyway.
-            grad = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
-            pairs.append((acc, grad))
-
-        # A window's first micro-batch overwrites the accumulators instead
-        # of adding to zeros: clearing them after an update would allocate
-        # a fresh zero buffer per accumulator. The products are formed in
-        # the branches, one at a time, not all at once before them.
-        def branch(overwrite, measure_here):
-            def run():
-                values = []
-                for acc, grad in pairs:
-                    value = grad * weight
-                    if overwrite:
-                        acc.assign(value)
-                    else:
-                        acc.assign_add(value)
-                    values.append(value)
-                if not measure_here:
-                    return tf.zeros((), ACC_DTYPE)
-                return _sum_of_squares(values, xla)
-
-            return run
-
-        def write(measure_here):
-            return lambda: tf.cond(
-                starting,
-                branch(True, measure_here),
-                branch(False, measure_here),
-            )
-
-        def when_sampled(estimate, otherwise):
-            if noise_every == 1:
-                return estimate()
-            return tf.cond(measure, estimate, otherwise)
-
+    A window's first micro-batch overwrites what the last window left
+    (`_window.add_weighted`'s rule), so nothing clears the accumulators
+    after an update. Returns the sum of the squares of what was added
+    where `measure` (a boolean scalar, or True for every window) holds,
+    zero elsewhere; None if `measure` is None.
+    """
+    zero = tf.zeros((), ACC_DTYPE)
+    squares = []
+    for acc, grad in zip(state.acc_grads, grads, strict=True):
+        if grad is None:
+            continue
+        # Embedding gradients (`IndexedSlices`) densify here: the
+        # accumulator is dense anyway.
+        value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE) * weight
+        acc.assign(tf.where(starting, value, acc.value + value))
         if measure is None:
-            write(False)()
-            return None, None
-        # The squares of what the window adds. Without XLA they are summed
-        # in the branches, where each product is still at hand and nothing
-        # else holds the gradients (which would keep TensorFlow from
-        # reusing their buffers). Under XLA, nesting the accumulators'
-        # writes in one more conditional cost more (measured), so there the
-        # sum reads the gradients beside them.
-        if xla:
-            write(False)()
-            grads = [grad for _, grad in pairs]
-            squares = when_sampled(
-                lambda: _sum_of_squares(grads, True) * tf.square(weight),
-                lambda: tf.zeros((), ACC_DTYPE),
-            )
+            continue
+        # Per accumulator, so that no gradient waits for the others; in a
+        # conditional where windows are sampled, so that the others skip
+        # the pass.
+        if measure is True:
+            squares.append(_sum_of_squares([value], xla))
         else:
-            squares = when_sampled(write(True), write(False))
-        return None, squares
-
-    return add
+            squares.append(
+                tf.cond(
+                    measure,
+                    lambda value=value: _sum_of_squares([value], xla),
+                    lambda: zero,
+                )
+            )
+    if measure is None:
+        return None
+    return tf.add_n(squares) if squares else zero
 
 
 # -- Closing a window (any replica context) -----------------------------------
@@ -221,7 +215,11 @@ def close(
             tf.cond(
                 go,
                 lambda: _apply_gradients(
-                    optimizer, grads, variables, none_grads
+                    optimizer,
+                    grads,
+                    variables,
+                    none_grads,
+                    one_at_a_time=not xla,
                 ),
                 _nothing,
             )
@@ -235,8 +233,9 @@ def close(
                 scales_loss=scales_loss,
                 reduce_totals=_all_reduce_sum,
                 estimate_noise=estimate_noise,
-                # XLA fuses the division into the update already, and an
-                # assignment there cost it a copy (measured).
+                # Under XLA an assignment there costs a copy of each
+                # accumulator (measured); its quotients are still all made
+                # before the update (docs/benchmarks.md, "Deep models").
                 divide=None if xla else _divide_in_place(state),
             )
             state.write(window)
@@ -381,8 +380,8 @@ def _divide_in_place(state):
     The optimizer then reads the accumulators themselves: a new quotient
     per weight, alive until the apply, would cost another copy of the
     weights (measured: the update's peak fell from about 1.8 to 1.0-1.2
-    times the weights' size above `Model(B)`'s). Not under XLA, which
-    fuses the division into the update (1.0 without this, 2.2 with it).
+    times the weights' size above `Model(B)`'s). Not under XLA, where it
+    costs more than it saves (wide MLP: 1.0 without it, 2.2 with it).
     The window's noise estimates and finiteness are read
     before this, and a window's first micro-batch overwrites what is left.
     """
@@ -403,13 +402,77 @@ def _run_hooks(state, applied):
         hook(applied, tf.constant(True))
 
 
-def _apply_gradients(optimizer, grads, variables, none_grads):
+def _apply_gradients(
+    optimizer, grads, variables, none_grads, one_at_a_time=False
+):
     # A variable the loss never reached gets `None`, as in a plain step:
     # no momentum decay and no weight decay for it.
     grads = [
         None if none else g for g, none in zip(grads, none_grads, strict=True)
     ]
-    optimizer.apply(grads, variables)
+    if not one_at_a_time:
+        optimizer.apply(grads, variables)
+        return
+    with _updates_one_at_a_time(optimizer):
+        optimizer.apply(grads, variables)
+
+
+@contextlib.contextmanager
+def _updates_one_at_a_time(optimizer):
+    """Runs the optimizer's per-weight updates one after another.
+
+    Handed the accumulators, every weight's update can start at once, and
+    the graph executor interleaves them: one weight's temporaries (Adam:
+    `sqrt(v)` and `g - m`, each the weight's size) stay alive while
+    another's are made (measured, 7-layer MLP: the update's peak 0.67 to
+    0.84 P above the persistent state, by process and threads, against
+    0.34 P for `Model(B)`, whose updates backpropagation paces). Within
+    this context each `update_step` (of the optimizer, and of the one it
+    wraps, as a `LossScaleOptimizer` does) reads its gradient only after
+    every operation the previous one made has run: 0.34 P.
+    """
+    optimizers = []
+    while optimizer is not None and optimizer not in optimizers:
+        optimizers.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    previous = {"graph": None, "ops": []}
+
+    def after_the_previous(update_step):
+        def update_step_in_turn(gradient, variable, *args, **kwargs):
+            graph = tf.compat.v1.get_default_graph()
+            if previous["graph"] is graph and previous["ops"]:
+                with tf.control_dependencies(previous["ops"]):
+                    gradient = tf.identity(gradient)
+            start = len(graph.get_operations())
+            result = update_step(gradient, variable, *args, **kwargs)
+            # Its last operations: waiting for them waits for all of it.
+            previous["graph"] = graph
+            previous["ops"] = [
+                op
+                for op in graph.get_operations()[start:]
+                if not any(output.consumers() for output in op.outputs)
+            ]
+            return result
+
+        return update_step_in_turn
+
+    # On the instances, for this trace only: Keras calls
+    # `self.update_step(gradient, variable, learning_rate)` once per weight.
+    patched = []
+    try:
+        for each in optimizers:
+            own = each.__dict__.get("update_step")
+            object.__setattr__(
+                each, "update_step", after_the_previous(each.update_step)
+            )
+            patched.append((each, own))
+        yield
+    finally:
+        for each, own in patched:
+            if own is None:
+                object.__delattr__(each, "update_step")
+            else:
+                object.__setattr__(each, "update_step", own)
 
 
 def _true_gradient(grad):
