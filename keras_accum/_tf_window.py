@@ -113,7 +113,11 @@ def _add_each(state, grads, weight, starting, measure, xla):
 
     A window's first micro-batch overwrites what the last window left
     (`_window.add_weighted`'s rule), so nothing clears the accumulators
-    after an update. Returns the sum of the squares of what was added
+    after an update; a conditional per accumulator picks the write, so
+    that it takes that accumulator's gradient only and writes in place
+    (a select of `value` and `acc + value` costs two more passes over the
+    weights per micro-batch: measured +19% CPU time per sample on a
+    784-512-512-10 MLP). Returns the sum of the squares of what was added
     where `measure` (a boolean scalar, or True for every window) holds,
     zero elsewhere; None if `measure` is None.
     """
@@ -125,7 +129,11 @@ def _add_each(state, grads, weight, starting, measure, xla):
         # Embedding gradients (`IndexedSlices`) densify here: the
         # accumulator is dense anyway.
         value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE) * weight
-        acc.assign(tf.where(starting, value, acc.value + value))
+        tf.cond(
+            starting,
+            lambda acc=acc, value=value: acc.assign(value),
+            lambda acc=acc, value=value: acc.assign_add(value),
+        )
         if measure is None:
             continue
         # Per accumulator, so that no gradient waits for the others; in a
