@@ -137,7 +137,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
         xla = bool(self.jit_compile)
 
         def accumulate_then_maybe_apply():
-            _tf_window.accumulate(
+            divided = _tf_window.accumulate(
                 window,
                 gradients,
                 weight,
@@ -148,6 +148,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
                 noise_every,
                 xla,
                 ready,
+                close_at_epoch_end=self._partial_window == "apply",
             )
             with tf.control_dependencies(ready):
                 complete = _window_is_complete(window, self._partial_window)
@@ -159,6 +160,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
                     none_grads,
                     noise_every,
                     xla,
+                    divided_in_step=divided,
                 )
 
         if self._accum_steps == 1 and _tf_window.supports_direct_apply():

@@ -5,8 +5,9 @@ its variables, and only these parts differ:
 
 - each accumulator is written as soon as backpropagation has made its
   gradient, and the update runs the optimizer on one weight after
-  another, so that a step holds about one layer's gradient at a time, as
-  a plain step does;
+  another (under XLA: the accumulators are divided as the window's last
+  micro-batch is added), so that a step holds about one layer's gradient
+  at a time, as a plain step does;
 - under `tf.distribute` every window variable is per replica (`ON_READ`):
   micro-steps touch only local memory, and nothing crosses devices until
   the update, where the replicas exchange one packed vector of window
@@ -70,6 +71,7 @@ def accumulate(
     noise_every=0,
     xla=False,
     ready=(),
+    close_at_epoch_end=False,
 ):
     """`_window.accumulate`, each accumulator written as its gradient comes.
 
@@ -82,6 +84,13 @@ def accumulate(
     before any write held all of them at once, a copy of the weights
     (measured, 7-layer MLP: the step's peak 0.34 P above the persistent
     state for `Model(B)`, 1.0 P for `AccumModel` before, 0.34 P now).
+
+    Under XLA on one replica, the micro-batch that completes a window
+    also divides the accumulators by the window's divisor as it adds to
+    them, and `close` hands them to the optimizer as they are
+    (`divides_in_step`): XLA made every quotient before the update
+    otherwise (7-layer MLP: 1.0 P above the state, against 0.36 P for
+    `Model(B)`). Returns whether it does.
     """
     weight = tf.cast(weight, ACC_DTYPE)
     # Read before the counters move: `_window.accumulate` sees the same.
@@ -91,7 +100,26 @@ def accumulate(
         measure = True
     elif noise_every:
         measure = tf.equal(state.log_count.value % noise_every, 0)
-    squares = _add_each(state, grads, weight, starting, measure, xla)
+    divisor = None
+    if xla and divides_in_step():
+        # The window's counters and totals with this micro-batch in, as
+        # the step writes them below: does it complete the window?
+        counted = _window.accumulate(
+            state.values(),
+            grads,
+            weight,
+            normalizer,
+            loss,
+            samples,
+            scheduled,
+            add=lambda *_: (None, None),
+        )
+        divisor = tf.where(
+            _window.is_complete(counted, close_at_epoch_end),
+            _window.window_divisor(counted["acc_normalizer"]),
+            tf.ones((), ACC_DTYPE),
+        )
+    squares = _add_each(state, grads, weight, starting, measure, xla, divisor)
     with tf.control_dependencies(list(ready)):
         window = _window.accumulate(
             state.values(),
@@ -106,9 +134,22 @@ def accumulate(
             add=lambda *_: (None, squares),
         )
         state.write(window)
+    return divisor is not None
 
 
-def _add_each(state, grads, weight, starting, measure, xla):
+def divides_in_step():
+    """Whether `accumulate` under XLA divides a completing window here.
+
+    One replica, on a strategy whose optimizer apply needs no
+    `merge_call`: elsewhere the divisor is a sum over replicas, known
+    only at the update.
+    """
+    ctx = tf.distribute.get_replica_context()
+    one_replica = ctx is None or ctx.num_replicas_in_sync == 1
+    return one_replica and supports_direct_apply()
+
+
+def _add_each(state, grads, weight, starting, measure, xla, divisor=None):
     """Writes `grads` times `weight` into the accumulators, one by one.
 
     A window's first micro-batch overwrites what the last window left
@@ -117,7 +158,9 @@ def _add_each(state, grads, weight, starting, measure, xla):
     that it takes that accumulator's gradient only and writes in place
     (a select of `value` and `acc + value` costs two more passes over the
     weights per micro-batch: measured +19% CPU time per sample on a
-    784-512-512-10 MLP). Returns the sum of the squares of what was added
+    784-512-512-10 MLP). With a `divisor` (XLA, see `accumulate`), a
+    select whose result is divided: XLA fuses it into one pass. Returns
+    the sum of the squares of what was added
     where `measure` (a boolean scalar, or True for every window) holds,
     zero elsewhere; None if `measure` is None.
     """
@@ -129,11 +172,14 @@ def _add_each(state, grads, weight, starting, measure, xla):
         # Embedding gradients (`IndexedSlices`) densify here: the
         # accumulator is dense anyway.
         value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE) * weight
-        tf.cond(
-            starting,
-            lambda acc=acc, value=value: acc.assign(value),
-            lambda acc=acc, value=value: acc.assign_add(value),
-        )
+        if divisor is not None:
+            acc.assign(tf.where(starting, value, acc.value + value) / divisor)
+        else:
+            tf.cond(
+                starting,
+                lambda acc=acc, value=value: acc.assign(value),
+                lambda acc=acc, value=value: acc.assign_add(value),
+            )
         if measure is None:
             continue
         # Per accumulator, so that no gradient waits for the others; in a
@@ -165,8 +211,11 @@ def close(
     none_grads,
     noise_every=0,
     xla=False,
+    divided_in_step=False,
 ):
     """Closes the window once if `should_close`: `_window.close`, in place.
+
+    `divided_in_step`: `accumulate` divided the accumulators already.
 
     An optimizer apply calls `merge_call` under most strategies, which may
     not sit inside a per-replica `tf.cond`; there the conditionals move to
@@ -175,18 +224,24 @@ def close(
     scales_loss = isinstance(optimizer, LossScaleOptimizer)
 
     def estimate_noise(window, totals):
-        del totals
         nan = tf.constant(float("nan"), ACC_DTYPE)
         if not noise_every:
             return nan, nan
         # Loss scaling multiplies every gradient by the same scale.
         scale = optimizer.scale_loss(tf.ones(()))
 
+        # Of the window's sum: undo a division made in the step.
+        undivide = tf.ones((), ACC_DTYPE)
+        if divided_in_step:
+            undivide = tf.square(_window.window_divisor(totals[0]))
+
         def estimate():
             return _window.noise_statistics(
                 window,
                 scale,
-                squares_of=lambda values: _sum_of_squares(values, xla),
+                squares_of=lambda values: (
+                    _sum_of_squares(values, xla) * undivide
+                ),
             )
 
         if noise_every == 1:
@@ -241,10 +296,7 @@ def close(
                 scales_loss=scales_loss,
                 reduce_totals=_all_reduce_sum,
                 estimate_noise=estimate_noise,
-                # Under XLA an assignment there costs a copy of each
-                # accumulator (measured); its quotients are still all made
-                # before the update (docs/benchmarks.md, "Deep models").
-                divide=None if xla else _divide_in_place(state),
+                divide=_divide(state, xla, divided_in_step),
             )
             state.write(window)
             _run_hooks(state, applied)
@@ -380,6 +432,17 @@ def apply_direct(
 
 def _nothing():
     return None
+
+
+def _divide(state, xla, divided_in_step):
+    """`_window.window_gradients`'s `divide` for this close."""
+    if divided_in_step:
+        return lambda accs, divisor: list(accs)
+    if xla:
+        # An assignment there costs XLA a copy of each accumulator
+        # (measured): new quotients, then.
+        return None
+    return _divide_in_place(state)
 
 
 def _divide_in_place(state):
