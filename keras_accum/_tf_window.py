@@ -99,7 +99,7 @@ def accumulate(
     if noise_every == 1:
         measure = True
     elif noise_every:
-        measure = tf.equal(state.log_count.value % noise_every, 0)
+        measure = _window.is_sampled(state.values(), noise_every)
     divisor = None
     if xla and divides_in_step():
         # The window's counters and totals with this micro-batch in, as
@@ -246,7 +246,7 @@ def close(
 
         if noise_every == 1:
             return estimate()
-        sampled = tf.equal(window["log_count"] % noise_every, 0)
+        sampled = _window.is_sampled(window, noise_every)
         return tf.cond(sampled, estimate, lambda: (nan, nan))
 
     def prepared(grads):

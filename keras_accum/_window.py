@@ -309,7 +309,7 @@ def accumulate(
     starting = window["mini_step"] == 0
     length = next_window_length(window, scheduled)
     weight = ops.cast(weight, ACC_DTYPE)
-    measure = _sampled(window, noise_every) if noise_every else None
+    measure = is_sampled(window, noise_every) if noise_every else None
     accs, squares = (add or add_weighted)(
         window, grads, weight, starting, measure
     )
@@ -567,7 +567,7 @@ def noise_estimates(window, noise_every, loss_scale, squares_of=None):
     nan = ops.convert_to_tensor(float("nan"), ACC_DTYPE)
     if not noise_every:
         return nan, nan
-    sampled = _sampled(window, noise_every)
+    sampled = is_sampled(window, noise_every)
     estimates = noise_statistics(window, loss_scale, squares_of)
     return tuple(ops.where(sampled, e, nan) for e in estimates)
 
@@ -615,7 +615,7 @@ def all_finite(values):
     return ops.all(ops.stack([ops.all(ops.isfinite(v)) for v in values]))
 
 
-def _sampled(window, noise_every):
+def is_sampled(window, noise_every):
     """Whether the open window estimates the noise scale.
 
     `log_count` stays put while a window is open (it moves when the window
