@@ -1,6 +1,7 @@
 """The train step's own memory beyond the state, by allocator, per backend.
 
     python benchmarks/bench_step_memory.py [--json=PATH]
+        [--models=wide,deep] [--kinds=graph,xla,jax]
 
 What `AccumModel(B, k=4)` needs beyond what it holds between steps,
 against `keras.Model(B)`, in units of P (the trainable weights' float32
@@ -112,7 +113,7 @@ def _requested_peak(logdir):
     return peak
 
 
-def _tensorflow(xla):
+def _tensorflow(xla, models):
     import tensorflow as tf
 
     if not xla:
@@ -124,7 +125,8 @@ def _tensorflow(xla):
 
     info = tf.config.experimental.get_memory_info
     results = {}
-    for name, (build, features) in _models().items():
+    for name in models:
+        build, features = _models()[name]
         x, y = _data(features)
         for variant, model in (
             ("plain", build(keras.Model)),
@@ -151,14 +153,15 @@ def _tensorflow(xla):
     return results
 
 
-def _jax():
+def _jax(models):
     import jax
     import keras
 
     import keras_accum
 
     results = {}
-    for name, (build, features) in _models().items():
+    for name in models:
+        build, features = _models()[name]
         x, y = _data(features)
         for variant, model in (
             ("plain", build(keras.Model)),
@@ -185,19 +188,24 @@ def _jax():
     return results
 
 
-def _child(kind):
+def _child(kind, models):
     if kind == "jax":
-        results = _jax()
+        results = _jax(models)
     else:
-        results = _tensorflow(xla=kind == "xla")
+        results = _tensorflow(xla=kind == "xla", models=models)
     print("RESULTS " + json.dumps(results))
 
 
-def _run(kind):
+def _run(kind, models):
     backend = "jax" if kind == "jax" else "tensorflow"
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(
-        [sys.executable, __file__, f"--child={kind}"],
+        [
+            sys.executable,
+            __file__,
+            f"--child={kind}",
+            f"--models={','.join(models)}",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -210,12 +218,26 @@ def _run(kind):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--models", default="wide,deep", help="of wide, deep (comma-separated)"
+    )
+    parser.add_argument(
+        "--kinds", default="graph,xla,jax", help="of graph, xla, jax"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    models = args.models.split(",")
+    unknown = set(models) - {"wide", "deep"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}")
+    kinds = args.kinds.split(",")
+    unknown = set(kinds) - {"graph", "xla", "jax"}
+    if unknown:
+        parser.error(f"--kinds: unknown {sorted(unknown)}")
     if args.child:
-        _child(args.child)
+        _child(args.child, models)
         return
-    results = {kind: _run(kind) for kind in ("graph", "xla", "jax")}
+    results = {kind: _run(kind, models) for kind in kinds}
     print("step memory beyond the state, in P (trainable weights' size)")
     print(
         f"{'backend':<8} {'model':<5} {'figure':<10} {'Model(B)':>9} "
@@ -223,7 +245,7 @@ def main():
     )
     for kind, rows in results.items():
         figures = sorted({f for row in rows.values() for f in row} - {"state"})
-        for model in ("wide", "deep"):
+        for model in models:
             for figure in figures:
                 plain = rows[f"{model}/plain"][figure]
                 accum = rows[f"{model}/accum"][figure]
