@@ -63,6 +63,24 @@ def _data(features):
     return x, rng.integers(0, 10, size=(B * K,))
 
 
+def _variants(models):
+    """`(name, variant, model, x, y)`: plain and `AccumModel`, per model."""
+    import keras
+
+    import keras_accum
+
+    for name in models:
+        build, features = _models()[name]
+        x, y = _data(features)
+        # Both built before either is measured, as the figures were taken.
+        pair = (
+            ("plain", build(keras.Model)),
+            ("accum", build(keras_accum.AccumModel, accum_steps=K)),
+        )
+        for variant, model in pair:
+            yield name, variant, model, x, y
+
+
 def _compile(model, **kwargs):
     import keras
 
@@ -119,72 +137,51 @@ def _tensorflow(xla, models):
     if not xla:
         tf.config.threading.set_inter_op_parallelism_threads(1)
         tf.config.threading.set_intra_op_parallelism_threads(1)
-    import keras
-
-    import keras_accum
-
     info = tf.config.experimental.get_memory_info
     results = {}
-    for name in models:
-        build, features = _models()[name]
-        x, y = _data(features)
-        for variant, model in (
-            ("plain", build(keras.Model)),
-            ("accum", build(keras_accum.AccumModel, accum_steps=K)),
-        ):
-            _compile(model, jit_compile=xla)
-            for _ in range(2):  # Slots, accumulators, the traced step.
-                model.fit(x, y, batch_size=B, verbose=0)
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            held = info("CPU:0")["current"]
-            with tempfile.TemporaryDirectory() as logdir:
-                if not xla:
-                    tf.profiler.experimental.start(logdir)
-                model.fit(x, y, batch_size=B, verbose=0)
-                if not xla:
-                    tf.profiler.experimental.stop()
-                    requested = _requested_peak(logdir)
-            p = _param_bytes(model)
-            row = {"in_use": (info("CPU:0")["peak"] - held) / p}
+    for name, variant, model, x, y in _variants(models):
+        _compile(model, jit_compile=xla)
+        for _ in range(2):  # Slots, accumulators, the traced step.
+            model.fit(x, y, batch_size=B, verbose=0)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        held = info("CPU:0")["current"]
+        with tempfile.TemporaryDirectory() as logdir:
             if not xla:
-                row["requested"] = requested / p
-            results[f"{name}/{variant}"] = row
-            del model
+                tf.profiler.experimental.start(logdir)
+            model.fit(x, y, batch_size=B, verbose=0)
+            if not xla:
+                tf.profiler.experimental.stop()
+                requested = _requested_peak(logdir)
+        p = _param_bytes(model)
+        row = {"p": p, "in_use": (info("CPU:0")["peak"] - held) / p}
+        if not xla:
+            row["requested"] = requested / p
+        results[f"{name}/{variant}"] = row
+        del model
     return results
 
 
 def _jax(models):
     import jax
-    import keras
-
-    import keras_accum
 
     results = {}
-    for name in models:
-        build, features = _models()[name]
-        x, y = _data(features)
-        for variant, model in (
-            ("plain", build(keras.Model)),
-            ("accum", build(keras_accum.AccumModel, accum_steps=K)),
-        ):
-            _compile(model)
-            model.fit(x, y, batch_size=B, verbose=0)
-            state = model._get_jax_state(
-                trainable_variables=True,
-                non_trainable_variables=True,
-                optimizer_variables=True,
-                metrics_variables=True,
-            )
-            # As Keras compiles the step (`donate_argnums=0`).
-            step = jax.jit(model.train_step, donate_argnums=0)
-            analysis = (
-                step.lower(state, (x[:B], y[:B])).compile().memory_analysis()
-            )
-            p = _param_bytes(model)
-            results[f"{name}/{variant}"] = {
-                "temp": analysis.temp_size_in_bytes / p,
-                "state": analysis.argument_size_in_bytes / p,
-            }
+    for name, variant, model, x, y in _variants(models):
+        _compile(model)
+        model.fit(x, y, batch_size=B, verbose=0)
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        # As Keras compiles the step (`donate_argnums=0`).
+        step = jax.jit(model.train_step, donate_argnums=0)
+        analysis = step.lower(state, (x[:B], y[:B])).compile().memory_analysis()
+        p = _param_bytes(model)
+        results[f"{name}/{variant}"] = {
+            "temp": analysis.temp_size_in_bytes / p,
+            "state": analysis.argument_size_in_bytes / p,
+        }
     return results
 
 
@@ -244,7 +241,9 @@ def main():
         f"{'AccumModel':>11} {'difference':>11}"
     )
     for kind, rows in results.items():
-        figures = sorted({f for row in rows.values() for f in row} - {"state"})
+        figures = sorted(
+            {f for row in rows.values() for f in row} - {"state", "p"}
+        )
         for model in models:
             for figure in figures:
                 plain = rows[f"{model}/plain"][figure]

@@ -100,28 +100,11 @@ def accumulate(
         measure = True
     elif noise_every:
         measure = _window.is_sampled(state.values(), noise_every)
-    divisor = None
-    if xla and divides_in_step():
-        # The window's counters and totals with this micro-batch in, as
-        # the step writes them below: does it complete the window?
-        counted = _window.accumulate(
-            state.values(),
-            grads,
-            weight,
-            normalizer,
-            loss,
-            samples,
-            scheduled,
-            add=lambda *_: (None, None),
-        )
-        divisor = tf.where(
-            _window.is_complete(counted, close_at_epoch_end),
-            _window.window_divisor(counted["acc_normalizer"]),
-            tf.ones((), ACC_DTYPE),
-        )
-    squares = _add_each(state, grads, weight, starting, measure, xla, divisor)
-    with tf.control_dependencies(list(ready)):
-        window = _window.accumulate(
+
+    def with_micro_batch(noise_every, squares):
+        # The window's values with this micro-batch in; the accumulators
+        # are written in place, by `_add_each`.
+        return _window.accumulate(
             state.values(),
             grads,
             weight,
@@ -130,10 +113,21 @@ def accumulate(
             samples,
             scheduled,
             noise_every,
-            # Written above, in place.
             add=lambda *_: (None, squares),
         )
-        state.write(window)
+
+    divisor = None
+    if xla and divides_in_step():
+        # As the step writes them below: does it complete the window?
+        counted = with_micro_batch(0, None)
+        divisor = tf.where(
+            _window.is_complete(counted, close_at_epoch_end),
+            _window.window_divisor(counted["acc_normalizer"]),
+            tf.ones((), ACC_DTYPE),
+        )
+    squares = _add_each(state, grads, weight, starting, measure, xla, divisor)
+    with tf.control_dependencies(list(ready)):
+        state.write(with_micro_batch(noise_every, squares))
     return divisor is not None
 
 

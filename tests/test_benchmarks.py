@@ -131,18 +131,3 @@ def test_loss_scale_script_smoke(tmp_path):
     (dynamic,) = results["dynamic"]["accum"]
     assert dynamic["skipped"] == 0
     assert "| 16 |" in result.stdout
-
-
-def test_step_memory_script_smoke(tmp_path):
-    out = tmp_path / "step_memory.json"
-    result = _script(
-        "bench_step_memory.py",
-        "--models=deep",
-        "--kinds=graph",
-        f"--json={out}",
-    )
-    rows = json.loads(out.read_text())["graph"]
-    assert set(rows) == {"deep/plain", "deep/accum"}
-    for row in rows.values():
-        assert row["requested"] > 0 and row["in_use"] > 0
-    assert "graph    deep  requested" in result.stdout

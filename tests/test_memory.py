@@ -5,13 +5,15 @@ set growth, each variant in a fresh process); tests here check what can be
 checked deterministically.
 """
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
-from _helpers import run_in_fresh_process
 from keras.src.trainers.data_adapters import array_data_adapter
 
 import keras_accum
@@ -195,23 +197,34 @@ def test_tensorflow_xla_step_holds_only_the_accumulators_beyond_a_plain_step(
 
 
 @pytest.mark.tensorflow_only(reason="TensorFlow's graph executor")
-def test_tensorflow_graph_step_holds_only_the_accumulators_more():
+def test_tensorflow_graph_step_holds_only_the_accumulators_more(tmp_path):
     """What the step's tensors request beyond the state, from TensorFlow's
-    allocator events (`_tf_graph_memory_worker.py`). Deep, before: every
-    gradient alive until all were made, then the optimizer's temporaries
-    of several weights at once (1.0 P, against 0.34 P for a plain step);
-    wide, before: the same, hidden by the largest kernel's own."""
-    worker = Path(__file__).with_name("_tf_graph_memory_worker.py")
-    results = run_in_fresh_process(
-        [worker], {**os.environ, "PYTHONPATH": str(worker.parent.parent)}
+    allocator events (`benchmarks/bench_step_memory.py`, one executor
+    thread, a fresh process). Deep, before: every gradient alive until all
+    were made, then the optimizer's temporaries of several weights at once
+    (1.0 P, against 0.34 P for a plain step); wide, before: the same,
+    hidden by the largest kernel's own."""
+    out = tmp_path / "step_memory.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_step_memory.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--kinds=graph", f"--json={out}"],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
-    assert set(results) == {"wide", "deep"}
-    for model in results.values():
-        p, plain, accum = model["p"], model["plain"], model["accum"]
-        assert p > 20 * 2**20
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["graph"]
+    assert {key.split("/")[0] for key in rows} == {"wide", "deep"}
+    for model in ("wide", "deep"):
+        # In units of P, the trainable weights' float32 size.
+        plain = rows[f"{model}/plain"]["requested"]
+        accum = rows[f"{model}/accum"]["requested"]
+        assert rows[f"{model}/accum"]["p"] > 20 * 2**20
         # A plain step needs at least one layer's gradient.
-        assert plain > 0.1 * p
-        assert accum <= plain + 0.1 * p
+        assert plain > 0.1
+        assert accum <= plain + 0.1
 
 
 @pytest.mark.skipif(
