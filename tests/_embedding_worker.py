@@ -4,7 +4,8 @@ The builders here are shared by the test and the worker so that both
 backends train the same model on the same tokens. Run as a script, it
 trains plain `keras.Model`s at the large batch on the backend that
 `KERAS_BACKEND` names, one per optimizer given on the command line, from
-weights set from numpy, and prints the weights after every update:
+weights set from numpy, and prints the weights after every update, and
+those of the same training in float64 (`_helpers.LargeBatch`):
 
     KERAS_BACKEND=jax python _embedding_worker.py adam adagrad
 
@@ -24,7 +25,7 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _helpers import UpdateRecorder, numpy_weights
+from _helpers import LargeBatch, numpy_weights
 
 VOCAB, DIM, LENGTH, OUTPUTS = 20, 4, 6, 3
 # Micro-batch, window length, samples: windows of 4, 4 and 1 micro-batches
@@ -94,20 +95,26 @@ def main():
         model = embedding_model()
         numpy_weights(model)
         model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
-        recorder = UpdateRecorder()
-        model.fit(
+        reference = LargeBatch(model)
+        reference.fit(
             x,
             y,
             batch_size=B * K,
             epochs=EPOCHS,
             shuffle=False,
             verbose=0,
-            callbacks=[recorder],
         )
-        runs[name] = [
-            [step, [w.tolist() for w in weights]]
-            for step, weights in recorder.updates
-        ]
+        _, exact, _ = reference.float64()
+        runs[name] = {
+            kind: [
+                [step, [w.tolist() for w in weights]]
+                for step, weights in updates
+            ]
+            for kind, updates in (
+                ("float32", reference.updates.updates),
+                ("float64", exact),
+            )
+        }
     print(
         "RESULTS "
         + json.dumps({"backend": keras.backend.backend(), "runs": runs}),

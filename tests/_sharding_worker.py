@@ -10,8 +10,9 @@ It trains a plain `keras.Model` at batch B * K and an `AccumModel` at batch
 B with `accum_steps=K` from the same weights on the same data, both under
 the same `ModelParallel`, and prints (`RESULTS {...}`) their weights after
 every update, each accumulator's sharding and its weight's, and the
-memory analysis of both compiled train steps. The test asserts; this
-script only measures.
+memory analysis of both compiled train steps. The test asserts, except for
+the weights' equivalence, judged here by `_helpers.assert_equivalent` (its
+float64 replay, if needed, runs under the same distribution).
 """
 
 import json
@@ -35,7 +36,7 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _helpers import UpdateRecorder
+from _helpers import LargeBatch, UpdateRecorder, assert_equivalent
 
 import keras_accum
 
@@ -80,7 +81,8 @@ def data():
 
 
 def fit(model, x, y, batch_size):
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    """`model`'s updates, `(iterations, weights)` each; `model` may be a
+    `LargeBatch`."""
     recorder = UpdateRecorder()
     model.fit(
         x,
@@ -91,7 +93,7 @@ def fit(model, x, y, batch_size):
         verbose=0,
         callbacks=[recorder],
     )
-    return [(i, [w.tolist() for w in ws]) for i, ws in recorder.updates]
+    return recorder.updates
 
 
 def compiled_step(model, x, y, batch_size):
@@ -121,10 +123,18 @@ def main():
     plain = model(keras.Model)
     accum = model(keras_accum.AccumModel, accum_steps=K)
     accum.set_weights(plain.get_weights())
+    for m in (plain, accum):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    reference = LargeBatch(plain)
     updates = {
-        "plain": fit(plain, x, y, B * K),
+        "plain": fit(reference, x, y, B * K),
         "accum": fit(accum, x, y, B),
     }
+    diffs = [
+        assert_equivalent(weights, reference, update=index)
+        for index, (_, weights) in enumerate(updates["accum"])
+    ]
+    iterations = {name: [i for i, _ in u] for name, u in updates.items()}
     shardings = [
         {
             "path": weight.path,
@@ -173,7 +183,8 @@ def main():
     ]
     results = {
         "devices": len(jax.devices()),
-        "updates": updates,
+        "iterations": iterations,
+        "max_weight_diff": max(diffs),
         "shardings": shardings,
         "counters": counters,
         "memory": memory,

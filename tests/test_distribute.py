@@ -38,8 +38,8 @@ def _check(results, report_diff, label):
     assert results["replicas"] == 2
     assert {c["case"] for c in results["cases"]} == CASES
     for case in results["cases"]:
+        # The worker asserted the weights (`_helpers.assert_equivalent`).
         report_diff(case["max_weight_diff"], f"{label}: {case['case']}")
-        assert case["max_weight_diff"] < 1e-6, case
         # 2 epochs of 70 samples at global batch 32: 3 updates each.
         assert case["updates"] == case["plain_updates"] == 6, case
         assert case["open_window"] == 0, case
