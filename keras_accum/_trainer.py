@@ -21,6 +21,7 @@ from keras import ops
 
 from keras_accum import _compat
 from keras_accum._backend_support import check_model
+from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import (
     COUNT_DTYPE,
@@ -52,6 +53,7 @@ class AccumTrainer:
         # Which gradients are None, fixed when the step is traced; the
         # flush reuses it.
         self._window_none_grads = None
+        self._window_unbuilt = set()
         self._steps_per_epoch = 0
 
     # -- The window state's life ----------------------------------------------
@@ -82,7 +84,7 @@ class AccumTrainer:
     def _all_built(self):
         optimizer = getattr(self, "optimizer", None)
         return (
-            all(layer.built for layer in self._flatten_layers())
+            all(layer.built for layer in forward_layers(self))
             and (optimizer is None or optimizer.built)
             and all(
                 part is None or part.built
@@ -96,12 +98,17 @@ class AccumTrainer:
     def _ensure_window(self):
         if self._window is not None or getattr(self, "optimizer", None) is None:
             return
-        if not all(layer.built for layer in self._flatten_layers()):
+        if not all(layer.built for layer in forward_layers(self)):
             return
         self._window = self._create_window(
             self._steps_for_now() or 1, self._window_close_hooks()
         )
         self._window_refs = [id(v) for v in self.trainable_weights]
+        # Layers outside the forward pass, left unbuilt (see
+        # `forward_layers`), for the message if one builds later.
+        self._window_unbuilt = {
+            id(layer) for layer in self._flatten_layers() if not layer.built
+        }
         self._window.steps_per_epoch.assign(self._steps_per_epoch)
         self._window.load_rules = self._saved_window_rules
 
@@ -131,14 +138,36 @@ class AccumTrainer:
             # needs real data); create the state during the first trace.
             self._ensure_window()
         if self._window_refs != [id(v) for v in self.trainable_weights]:
-            raise ValueError(
-                "The model's trainable weights changed since the "
-                "accumulators were created. Call `compile()` again after "
-                "changing `trainable`, as Keras requires."
-            )
+            raise ValueError(self._changed_weights_message())
         # Read by `_checked_train_function`: the step reached the window.
         self._window_stepped = True
         return self._window
+
+    def _changed_weights_message(self) -> str:
+        before = set(self._window_refs)
+        now = {id(v): v for v in self.trainable_weights}
+        added = [v.path for key, v in now.items() if key not in before]
+        removed = len(before - set(now))
+        unbuilt = [
+            layer.name
+            for layer in self._flatten_layers()
+            if layer.built and id(layer) in self._window_unbuilt
+        ]
+        message = (
+            "The model's trainable weights changed since the accumulators "
+            f"were created ({len(added)} added: {added}; {removed} removed)."
+        )
+        if unbuilt:
+            return message + (
+                f" Layer(s) {unbuilt} were built after training started, "
+                "outside the model's forward pass; build them before `fit` "
+                "(e.g. call them on a batch), or do not hold them in the "
+                "model."
+            )
+        return message + (
+            " Call `compile()` again after changing `trainable`, as Keras "
+            "requires."
+        )
 
     def _steps_for_now(self) -> int | None:
         """The window length the configuration gives now, if static."""
@@ -443,6 +472,26 @@ class AccumTrainer:
         self._assign_target_length()
         if self._window is not None:
             self._window.epoch_step.assign(0)
+
+
+def forward_layers(model) -> list:
+    """`model` and the layers its forward pass runs.
+
+    A functional model's are its graph's layers (and theirs, recursively);
+    any other layer's, every layer it holds. A functional model may also
+    hold layers its graph never calls, such as a KerasHub task's
+    `preprocessor` (applied to the data before the model): those may stay
+    unbuilt, and hold no weight the step trains, so the window does not
+    wait for them.
+    """
+    if isinstance(model, Functional):
+        children = model.layers
+    else:
+        children = model._flatten_layers(include_self=False, recursive=False)
+    found = [model]
+    for child in children:
+        found.extend(forward_layers(child))
+    return found
 
 
 def _single(sample_weight):

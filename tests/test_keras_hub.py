@@ -172,3 +172,31 @@ def test_a_frozen_backbone_gets_no_accumulators():
         float(np.max(np.abs(b - w.numpy()))) > 1e-4
         for b, w in zip(head, task.trainable_weights, strict=True)
     )
+
+
+def test_a_task_whose_preprocessor_never_ran_trains(report_diff):
+    """The fine-tuning guide's case where `x` comes tokenized (from disk,
+    or from another copy of the task): the task's preprocessor is never
+    called, so it stays unbuilt. Before: "The model's trainable weights
+    changed ... Call `compile()` again" on TensorFlow and JAX."""
+    import keras_hub
+
+    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocabulary += [f"word{i}" for i in range(VOCAB - len(vocabulary))]
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
+        keras_hub.models.BertTokenizer(vocabulary=vocabulary),
+        sequence_length=LENGTH,
+    )
+    plain = bert_classifier()
+    task = bert_classifier()
+    task.preprocessor = preprocessor
+    assert not preprocessor.built
+    accum = keras_accum.AccumModel.from_model(task, accum_steps=K)
+    accum.set_weights(plain.get_weights())
+    _compile(plain)
+    _compile(accum)
+    x, y, _ = bert_data()
+    diff, _, _ = train_pair(plain, accum, x, y, B, K)
+    report_diff(diff, "KerasHub task with an unbuilt preprocessor")
+    assert int(accum.optimizer.iterations) == 4
+    assert not preprocessor.built
