@@ -97,6 +97,7 @@ __all__ = [
     "functional_like_constructor",
     "get_keras_mask",
     "is_nnx_enabled",
+    "optimizer_strategy",
     "unscale_loss_for_distribution",
     "warn_if_untested",
 ]
@@ -104,6 +105,13 @@ __all__ = [
 CLONE_FUNCTIONAL_CODE = getattr(
     getattr(_cloning, "_clone_functional_model", None), "__code__", None
 )
+
+
+def optimizer_strategy(optimizer):
+    """The `tf.distribute` strategy a TensorFlow Keras optimizer was made
+    under (Keras 3.10-3.15 keep it as `_distribution_strategy`), or None."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
 
 try:
     from keras.src.backend.config import is_nnx_enabled

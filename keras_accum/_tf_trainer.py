@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_accum import _compat, _tf_window, _window
+from keras_accum._compat import optimizer_strategy
 from keras_accum._trainer import AccumTrainer
 
 
@@ -26,6 +27,9 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
     def _create_window(self, length, close_hooks):
         strategy = self.distribute_strategy
+        # The optimizer belongs to the strategy `compile()` ran under.
+        for each in {strategy, optimizer_strategy(self.optimizer)} - {None}:
+            _check_created_in_scope(self.trainable_weights, each)
         with strategy.scope():
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
@@ -250,6 +254,31 @@ class TensorFlowAccumTrainer(AccumTrainer):
             return logs
         return keras.tree.map_structure(
             lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
+        )
+
+
+def _check_created_in_scope(variables, strategy) -> None:
+    """Refuses weights that `strategy` does not hold.
+
+    A model built outside `strategy.scope()` and compiled inside it has
+    plain variables where the strategy expects distributed ones; the
+    optimizer would fail on them deep inside its apply.
+    """
+    outside = [
+        v.path
+        for v in variables
+        if not strategy.extended.variable_created_in_scope(v.value)
+    ]
+    if outside:
+        raise ValueError(
+            f"The model's weights were created outside the scope of its "
+            f"distribution strategy ({type(strategy).__name__}): the "
+            "accumulators and the optimizer's state would be per replica "
+            "and the weights not. Create the model (its layers, and so its "
+            "weights) inside `with strategy.scope():`, as well as "
+            "`compile()`, as `tf.distribute` requires of any Keras model. "
+            f"Received: {len(outside)} weight(s) outside the scope, "
+            f"e.g. {outside[:3]}"
         )
 
 

@@ -5,6 +5,7 @@ and multi-worker collectives must be configured before TensorFlow starts:
 
     python _distributed_worker.py mirrored
     TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
+    python _distributed_worker.py built_outside_the_scope
 
 Each case trains an `AccumModel` under the strategy (global micro-batch
 B = 8, accum_steps = 4) and a plain `keras.Model` on one device at batch
@@ -27,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf
 
 MODE = sys.argv[1]
-if MODE == "mirrored":
+if MODE in ("mirrored", "built_outside_the_scope"):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
@@ -123,7 +124,23 @@ def case(name, opt="adam", weighted=False, unknown_length=False, **compile):
     }
 
 
+def built_outside_the_scope():
+    """A model built before the strategy's scope, compiled inside it."""
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    with STRATEGY.scope():
+        model.compile(optimizer="adam", loss="mse")
+    try:
+        model.fit(x, y, batch_size=B, verbose=0)
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None, "message": ""}
+
+
 def main():
+    if MODE == "built_outside_the_scope":
+        print("RESULTS " + json.dumps(built_outside_the_scope()), flush=True)
+        return
     results = {
         "replicas": STRATEGY.num_replicas_in_sync,
         "cases": [

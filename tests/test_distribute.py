@@ -53,6 +53,19 @@ def test_mirrored_strategy_two_logical_cpus(report_diff):
     _check(results, report_diff, "Mirrored, 2 CPUs")
 
 
+def test_a_model_built_outside_the_scope_is_refused_naming_the_fix():
+    """Before: `fit` failed with a bare `AssertionError` from inside the
+    optimizer's apply (plain Keras says `Need to be inside with
+    strategy.scope()`)."""
+    result = run_in_fresh_process([WORKER, "built_outside_the_scope"], _env())
+    assert result["error"] == "ValueError", result
+    message = result["message"]
+    assert "created outside the scope" in message
+    assert "MirroredStrategy" in message
+    assert "inside `with strategy.scope():`" in message
+    assert "dense" in message  # The weights, by path.
+
+
 def _free_ports(n):
     sockets = [socket.socket() for _ in range(n)]
     try:
