@@ -25,6 +25,10 @@ from keras_accum._compat import (
     functional_like_constructor,
 )
 from keras_accum._files import replaced_whole
+from keras_accum._schedules import (
+    deserialize_accum_steps,
+    serialize_accum_steps,
+)
 from keras_accum._validation import check_accum_schedule, check_partial_window
 from keras_accum._window_epochs import WindowEpochs
 from keras_accum._window_log import read_int
@@ -627,7 +631,7 @@ class AccumModel(_Trainer, keras.Model):
 
     def get_config(self) -> dict:
         config = {
-            "accum_steps": _serialize_accum_steps(self._accum_steps),
+            "accum_steps": serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
         }
         return {**super().get_config(), **config}
@@ -635,7 +639,7 @@ class AccumModel(_Trainer, keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        accum_steps = _deserialize_accum_steps(
+        accum_steps = deserialize_accum_steps(
             config.pop("accum_steps", 1), custom_objects
         )
         partial_window = config.pop("partial_window", "apply")
@@ -645,23 +649,6 @@ class AccumModel(_Trainer, keras.Model):
         model.accum_steps = accum_steps
         model.partial_window = partial_window
         return model
-
-
-def _serialize_accum_steps(accum_steps):
-    if isinstance(accum_steps, dict):
-        # JSON keys are strings; `check_accum_schedule` reads them back.
-        return {str(epoch): steps for epoch, steps in accum_steps.items()}
-    if callable(accum_steps):
-        return keras.saving.serialize_keras_object(accum_steps)
-    return accum_steps
-
-
-def _deserialize_accum_steps(value, custom_objects=None):
-    if isinstance(value, dict) and "class_name" in value:
-        return keras.saving.deserialize_keras_object(
-            value, custom_objects=custom_objects
-        )
-    return check_accum_schedule(value)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -731,7 +718,7 @@ class _WrappedAccumModel(AccumModel):
             "inner_model": keras.saving.serialize_keras_object(
                 self.inner_model
             ),
-            "accum_steps": _serialize_accum_steps(self._accum_steps),
+            "accum_steps": serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
         }
 
@@ -741,7 +728,7 @@ class _WrappedAccumModel(AccumModel):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_model"), custom_objects=custom_objects
         )
-        config["accum_steps"] = _deserialize_accum_steps(
+        config["accum_steps"] = deserialize_accum_steps(
             config.get("accum_steps", 1), custom_objects
         )
         return cls(inner, **config)
