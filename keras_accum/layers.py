@@ -125,8 +125,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
         Returns:
             A new model of `model`'s class, with `AccumBatchNormalization`
-            (this class) in place of each `BatchNormalization` layer and
-            all of `model`'s weights.
+                (this class) in place of each `BatchNormalization` layer
+                and all of `model`'s weights.
 
         Raises:
             TypeError: If `model` is not a `keras.Model`, or is a
