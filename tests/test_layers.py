@@ -286,10 +286,14 @@ def test_convert_sequential_gives_sequential():
         ],
         name="seq",
     )
+    original.compile(optimizer="sgd", loss="mse")
     x, _ = batch_norm_data((4,))
     converted = keras_accum.AccumBatchNormalization.convert(original)
     assert type(converted) is keras.Sequential
     assert converted.name == "seq"
+    # Compiled as `clone_model` compiles a copy: a new optimizer.
+    assert converted.compiled
+    assert converted.optimizer is not original.optimizer
     assert [type(layer) for layer in converted.layers] == [
         keras.layers.Dense,
         keras_accum.AccumBatchNormalization,
