@@ -349,7 +349,31 @@ def _rebuild(cls, model, clones):
             clones[key] = (layer, new)
         return clones[key][1]
 
-    return keras.models.clone_model(model, clone_function=clone_layer)
+    if isinstance(model, keras.Sequential):
+        return keras.models.clone_model(model, clone_function=clone_layer)
+    return keras.models.clone_model(
+        model,
+        input_tensors=keras.tree.map_structure(_new_input, model.input),
+        clone_function=clone_layer,
+    )
+
+
+def _new_input(tensor):
+    """A new input like the functional model's input `tensor`, named as its
+    `InputLayer` (`clone_model` names it after the tensor: an input made
+    without a name would become "keras_tensor_12")."""
+    layer = tensor._keras_history.operation
+    kwargs = {"name": tensor.name}
+    if isinstance(layer, keras.layers.InputLayer):
+        kwargs["name"] = layer.name
+        if getattr(layer, "optional", False):
+            kwargs["optional"] = True
+    return keras.Input(
+        batch_shape=tensor.shape,
+        dtype=tensor.dtype,
+        sparse=tensor.sparse,
+        **kwargs,
+    )
 
 
 def _from_own_config(layer):
