@@ -139,9 +139,10 @@ def test_renorm_is_refused():
 
 
 def _cnn_with_batch_norm(model_cls=keras.Model, **kwargs):
-    """A small CNN: a batch normalization, a frozen one, and a nested
-    `Sequential` block with a third, around a residual `x + block(x)`;
-    weights (moving statistics included) from numpy's generator."""
+    """A small CNN: a batch normalization, a frozen one, a nested
+    `Sequential` block with a third, around a residual `x + block(x)`, and
+    a nested functional model with a fourth, used twice; weights (moving
+    statistics included) from numpy's generator."""
     inputs = keras.Input((6, 6, 3), name="image")
     x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
     x = keras.layers.BatchNormalization(momentum=0.5, name="bn")(x)
@@ -158,6 +159,12 @@ def _cnn_with_batch_norm(model_cls=keras.Model, **kwargs):
     )
     x = x + block(x)
     x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    features_in = keras.Input((4,))
+    features_out = keras.layers.BatchNormalization(name="features_bn")(
+        keras.layers.Dense(4, name="features_dense")(features_in)
+    )
+    features = keras.Model(features_in, features_out, name="features")
+    x = features(features(x))
     outputs = keras.layers.Dense(2, name="head")(x)
     model = model_cls(inputs, outputs, name="cnn", **kwargs)
     rng = np.random.default_rng(0)
@@ -202,7 +209,7 @@ def test_convert_replaces_batch_normalization_and_copies_weights():
         _layers_by_name(converted),
     )
     assert old_layers.keys() == new_layers.keys()
-    norms = {"bn", "frozen_bn", "block_bn"}
+    norms = {"bn", "frozen_bn", "block_bn", "features_bn"}
     for name, old in old_layers.items():
         new = new_layers[name]
         assert new is not old
@@ -223,7 +230,10 @@ def test_convert_replaces_batch_normalization_and_copies_weights():
                 continue  # Its layers are compared one by one.
             for u, v in zip(new.get_weights(), old.get_weights(), strict=True):
                 np.testing.assert_array_equal(u, v)
-    assert isinstance(new_layers["block"], keras.Sequential)
+    assert type(new_layers["block"]) is keras.Sequential
+    assert type(new_layers["features"]) is type(old_layers["features"])
+    # Used twice, copied once.
+    assert converted.layers.count(new_layers["features"]) == 1
     assert not new_layers["frozen_bn"].trainable
     assert not new_layers["frozen_bn"].trainable_weights
     # Nothing shared, nothing changed in the original.
@@ -332,6 +342,17 @@ class _Subclassed(keras.Model):
         return self.norm(self.dense(inputs))
 
 
+class _BuildsItsGraph(keras.Model):
+    """Functional, its graph built by its constructor (the KerasHub
+    style)."""
+
+    def __init__(self, units=2, **kwargs):
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(units)(inputs)
+        outputs = keras.layers.BatchNormalization()(x)
+        super().__init__(inputs, outputs, **kwargs)
+
+
 def test_convert_refuses_what_it_cannot_rebuild():
     convert = keras_accum.AccumBatchNormalization.convert
     subclassed = _Subclassed(name="custom")
@@ -347,6 +368,22 @@ def test_convert_refuses_what_it_cannot_rebuild():
     for value in ("model.keras", keras.layers.BatchNormalization()):
         with pytest.raises(TypeError, match="Received: model="):
             convert(value)
+    builds = _BuildsItsGraph(name="hub_style")
+    with pytest.raises(TypeError, match="builds its graph in its own"):
+        convert(builds)
+    # The fix the message gives: the same graph as a plain model.
+    plain = convert(keras.Model(builds.inputs, builds.outputs))
+    assert any(
+        isinstance(layer, keras_accum.AccumBatchNormalization)
+        for layer in plain.layers
+    )
+    try:
+        renorm = keras.layers.BatchNormalization(renorm=True, name="renorm")
+    except (TypeError, ValueError):
+        return  # Keras 3.10 has no batch renormalization.
+    inputs = keras.Input((4,))
+    with pytest.raises(ValueError, match="'renorm' .*renormalization"):
+        convert(keras.Model(inputs, renorm(inputs)))
 
 
 def test_convert_warns_about_batch_normalization_it_leaves():
