@@ -129,13 +129,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 and all of `model`'s weights.
 
         Raises:
-            TypeError: If `model` is not a `keras.Model`, or is a
-                subclassed model (or an `AccumModel` made by
-                `AccumModel.from_model` around one), whose layers are
-                created by its own code and cannot be rebuilt from its
-                graph: construct it again with `AccumBatchNormalization`
-                in place of `BatchNormalization` and copy the weights, or
-                convert its functional parts.
+            TypeError: If `model` is not a `keras.Model`; if it cannot be
+                rebuilt from its graph, being a subclassed model (or an
+                `AccumModel` made by `AccumModel.from_model` around one)
+                or a functional model whose class builds its graph in its
+                constructor (construct it again with
+                `AccumBatchNormalization` in place of `BatchNormalization`
+                and copy the weights, or convert its functional parts, or
+                for the latter `keras.Model(model.input, model.output)`);
+                or if one of its layers cannot be made from its config.
             ValueError: If `model` is not built, or a batch normalization
                 in it uses `renorm=True`, which this layer does not
                 support.
@@ -309,8 +311,8 @@ def _check_convertible(model) -> None:
             "whose class builds its graph in its own constructor (a "
             "KerasHub model, say), so it cannot be rebuilt as a "
             f"`{name}` from its graph. Convert a plain functional model "
-            "of the same graph, `keras.Model(model.inputs, "
-            "model.outputs)` (which has the computation and the weights, "
+            "of the same graph, `keras.Model(model.input, "
+            "model.output)` (which has the computation and the weights, "
             f"but not the methods of `{name}`), or construct the model "
             "again with `keras_accum.AccumBatchNormalization` in place of "
             "`keras.layers.BatchNormalization` and copy the weights. "

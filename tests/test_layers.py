@@ -372,7 +372,7 @@ def test_convert_refuses_what_it_cannot_rebuild():
     with pytest.raises(TypeError, match="builds its graph in its own"):
         convert(builds)
     # The fix the message gives: the same graph as a plain model.
-    plain = convert(keras.Model(builds.inputs, builds.outputs))
+    plain = convert(keras.Model(builds.input, builds.output))
     assert any(
         isinstance(layer, keras_accum.AccumBatchNormalization)
         for layer in plain.layers
