@@ -471,6 +471,13 @@ class AccumTrainer:
         self._epoch = epoch
         self._assign_target_length()
         if self._window is not None:
+            self._window.epoch.assign(epoch)
+            self._window.epoch_step.assign(0)
+
+    def _end_epoch(self, epoch):
+        # What a backup taken now belongs to: the start of the next epoch.
+        if self._window is not None:
+            self._window.epoch.assign(epoch + 1)
             self._window.epoch_step.assign(0)
 
 

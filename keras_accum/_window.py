@@ -49,6 +49,7 @@ COUNT_DTYPE = "int64" if keras.backend.backend() == "tensorflow" else "int32"
 FLOAT_SCALARS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
 INT_SCALARS = (
     "mini_step",
+    "epoch",
     "epoch_step",
     "steps_per_epoch",
     "window_length",
@@ -162,8 +163,12 @@ class WindowState(SavedWindow):
             mean-gradient norm times its count (noise scale only).
         mini_step: Micro-batches added to the open window; 0 between
             windows.
+        epoch: The `fit` epoch the state belongs to: the epoch in
+            progress, or once an epoch has ended the next one. Saved with
+            the window, it tells a restart which epoch the saved weights
+            belong to (`_window_epochs.WindowResume`).
         epoch_step: Micro-batches seen in the current epoch, to close a
-            partial window on the epoch's last step.
+            partial window on the epoch's last step; 0 between epochs.
         steps_per_epoch: Steps in the current `fit` epoch, 0 if unknown.
         window_length: The open window's length, fixed when it starts.
         target_length: The length of windows starting from now:

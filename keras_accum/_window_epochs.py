@@ -1,10 +1,12 @@
-"""What `fit` tells the window at epoch boundaries, as a callback.
+"""What `fit` tells the window at epoch boundaries, as callbacks.
 
 `AccumModel.fit` puts `WindowEpochs` first among the callbacks: it tells the
-step how many steps an epoch has and where one starts, applies a window an
-epoch of unknown length left open, warns about skipped windows, and runs
-the loggers that add to the epoch logs before any other callback sees
-them.
+step how many steps an epoch has and where one starts and ends, applies a
+window an epoch of unknown length left open, warns about skipped windows,
+and runs the loggers that add to the epoch logs before any other callback
+sees them. `WindowResume` comes last: once `BackupAndRestore` has
+restored a backup, it makes `fit` resume at the epoch the restored
+weights belong to.
 """
 
 from __future__ import annotations
@@ -51,8 +53,13 @@ class WindowEpochs(keras.callbacks.Callback):
         _set_monitor_modes(callbacks)
 
     def on_train_begin(self, logs=None):
-        self._accum_model._set_steps_per_epoch(self.params.get("steps"))
-        self._accum_model._check_schedule()
+        model = self._accum_model
+        model._set_steps_per_epoch(self.params.get("steps"))
+        model._check_schedule()
+        if model._window is not None:
+            # Only a window the other callbacks load from here on counts
+            # for `WindowResume`.
+            model._window.loaded_position = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._accum_model._start_epoch(epoch)
@@ -62,6 +69,7 @@ class WindowEpochs(keras.callbacks.Callback):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
+        self._accum_model._end_epoch(epoch)
         self._count_skipped(epoch)
         for logger in self._loggers:
             logger._on_window_epoch_end(logs)
@@ -100,3 +108,66 @@ class WindowEpochs(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._accum_model._set_steps_per_epoch(0)
+
+
+class WindowResume(keras.callbacks.Callback):
+    """Resumes `fit` at the epoch the restored weights belong to.
+
+    `keras.callbacks.BackupAndRestore` writes the weights file, then
+    `training_metadata.json` with the epoch to resume at. A process killed
+    between the two leaves new weights beside the old epoch: Keras would
+    train that epoch again on weights that already saw it. The window
+    saved in the weights file records its own epoch (`WindowState.epoch`),
+    so after the callbacks' `on_train_begin` (this one is last) `fit`
+    starts at that epoch, with a warning naming both. A backup taken in
+    the middle of an epoch (`save_freq` in batches) cannot resume exactly:
+    Keras restarts the epoch from its first batch; that is warned about.
+    """
+
+    def __init__(self, model, callbacks):
+        super().__init__()
+        self._accum_model = model
+        self._backups = [
+            cb
+            for cb in callbacks
+            if isinstance(cb, keras.callbacks.BackupAndRestore)
+        ]
+
+    def on_train_begin(self, logs=None):
+        model = self._accum_model
+        window = model._window
+        if not self._backups or window is None:
+            return
+        position, window.loaded_position = window.loaded_position, None
+        if position is None:  # No backup was restored.
+            return
+        epoch, epoch_step = position
+        # Where `BackupAndRestore` says to resume (Keras 3.10-3.15 keep it
+        # as `_initial_epoch`, which `fit` reads after this).
+        keras_epoch = model._initial_epoch or 0
+        backup = self._backups[0]
+        files = getattr(backup, "_weights_path", backup.backup_dir)
+        metadata = getattr(backup, "_training_metadata_path", "its metadata")
+        updates = int(model.optimizer.iterations.numpy())
+        if epoch_step > 0:
+            warnings.warn(
+                f"The backup restored from {files} was taken during epoch "
+                f"{epoch + 1}, after {epoch_step} of its micro-batches "
+                f"({updates} optimizer updates): `BackupAndRestore` "
+                "restarts an epoch from its first batch, so those "
+                "micro-batches are trained twice (a `keras.Model` does the "
+                'same). Back up at epoch ends (`save_freq="epoch"`) '
+                "to resume exactly.",
+                stacklevel=2,
+            )
+        elif epoch != keras_epoch:
+            warnings.warn(
+                f"{metadata} says to resume at epoch {keras_epoch + 1}, "
+                f"but the weights restored from {files} were saved at the "
+                f"end of epoch {epoch} ({updates} optimizer updates): the "
+                "process was stopped between writing the two files. "
+                f"Resuming at epoch {epoch + 1}, where the weights belong "
+                f"(Keras would train epoch {keras_epoch + 1} again).",
+                stacklevel=2,
+            )
+        model._initial_epoch = epoch

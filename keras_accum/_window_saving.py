@@ -32,6 +32,7 @@ SAVED_COUNTERS = (
     "acc_samples",
     "acc_grad_sq",
     "mini_step",
+    "epoch",
     "epoch_step",
     "window_length",
     "skipped_windows",
@@ -92,6 +93,10 @@ class SavedWindow(KerasSaveable):
     # Set by `check_file` for the load that follows it, whose own check
     # then keeps quiet: the warning it would repeat was given already.
     _checked_file = False
+    # `(epoch, epoch_step)` of the last window loaded, for a restart's check
+    # of the epoch it resumes (`_window_epochs.WindowResume`); None until
+    # one loads.
+    loaded_position = None
 
     def _obj_type(self):
         # Keras accepts only its own kinds here; it decides which attributes
@@ -118,6 +123,10 @@ class SavedWindow(KerasSaveable):
             acc.assign(np.asarray(values[f"acc_grad_{i}"]))
         for name in SAVED_COUNTERS:
             getattr(self, name).assign(values[name])
+        self.loaded_position = (
+            int(values["epoch"]),
+            int(values["epoch_step"]),
+        )
 
     def check_file(self, filepath) -> None:
         """Checks the window saved in a weights or `.keras` file.
@@ -295,7 +304,7 @@ def _check_values(values, rules, where):
             f"0..{length - 1}",
             f"window_length={length}, {context}",
         )
-    for name in ("epoch_step", "skipped_windows"):
+    for name in ("epoch", "epoch_step", "skipped_windows"):
         if not 0 <= ints[name] <= INT_MAX:
             fail(name, ints[name], f"0..{INT_MAX}")
     if mini_step == 0:

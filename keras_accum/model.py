@@ -30,7 +30,7 @@ from keras_accum._schedules import (
     serialize_accum_steps,
 )
 from keras_accum._validation import check_accum_schedule, check_partial_window
-from keras_accum._window_epochs import WindowEpochs
+from keras_accum._window_epochs import WindowEpochs, WindowResume
 from keras_accum._window_log import read_int
 
 _SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
@@ -602,14 +602,18 @@ class AccumModel(_Trainer, keras.Model):
                 default=0,
             )
         )
+        resume_callback = WindowResume(self, listed)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             epoch_callback.set_loggers(callbacks.callbacks)
             callbacks.callbacks.insert(0, epoch_callback)
+            callbacks.callbacks.append(resume_callback)
             epoch_callback.set_model(self)
+            resume_callback.set_model(self)
         else:
             epoch_callback.set_loggers(callbacks or [])
-            # First, so that epoch-end callbacks see the applied window.
-            callbacks = [epoch_callback, *(callbacks or [])]
+            # First, so that epoch-end callbacks see the applied window;
+            # last, what reads the backups the others restored.
+            callbacks = [epoch_callback, *(callbacks or []), resume_callback]
         return super().fit(
             x=x,
             y=y,

@@ -1,13 +1,16 @@
-"""Trains under `BackupAndRestore` and is killed during a backup's write.
+"""Trains under `BackupAndRestore` and is killed during a backup.
 
     python _backup_kill_worker.py BACKUP_DIR KILL_AT_SAVE [plain] [double]
+        [between]
 
-Exits with status 17 from inside the KILL_AT_SAVE-th weights write (a
-layer's `save_own_variables` calls `os._exit`, as a pre-empted process
-stops: no cleanup, the file half written). `build` and `DATA` are shared
-with the test that resumes the run (tests/test_robustness.py). `plain`
-trains a `keras.Model` instead, `double` passes `double_checkpoint=True`
-(the figures in docs/guides/robustness.md).
+Exits with status 17 (`os._exit`, as a pre-empted process stops: no
+cleanup) from inside the KILL_AT_SAVE-th weights write (a layer's
+`save_own_variables`: the file half written), or with `between` right
+after that weights file is complete, before `BackupAndRestore` writes
+`training_metadata.json`. `build` and `DATA` are shared with the test that
+resumes the run (tests/test_robustness.py). `plain` trains a `keras.Model`
+instead, `double` passes `double_checkpoint=True` (the figures in
+docs/guides/robustness.md).
 """
 
 from __future__ import annotations
@@ -71,10 +74,30 @@ def fit(model, callbacks):
     )
 
 
+def exit_after_save(model, at):
+    """Ends the process when `model`'s `at`-th `save_weights` returns."""
+    save = model.save_weights
+    saves = []
+
+    def save_then_exit(*args, **kwargs):
+        save(*args, **kwargs)
+        saves.append(args)
+        if len(saves) == at:
+            sys.stdout.flush()
+            os._exit(17)
+
+    model.save_weights = save_then_exit
+
+
 if __name__ == "__main__":
     backup_dir, kill_at = sys.argv[1], int(sys.argv[2])
     flags = sys.argv[3:]
-    model = build(plain="plain" in flags, exit_on_save=kill_at)
+    between = "between" in flags
+    model = build(
+        plain="plain" in flags, exit_on_save=0 if between else kill_at
+    )
+    if between:
+        exit_after_save(model, kill_at)
     backup = keras.callbacks.BackupAndRestore(
         backup_dir, double_checkpoint="double" in flags
     )

@@ -343,6 +343,74 @@ def test_killed_during_a_backup_write_resumes_exactly(tmp_path):
     assert resumed.mini_step == reference.mini_step
 
 
+@pytest.mark.parametrize("double_checkpoint", [False, True])
+def test_killed_between_the_backup_files_resumes_exactly(
+    tmp_path, double_checkpoint
+):
+    """Before: killed after `BackupAndRestore` wrote the weights of epoch 3
+    and before it wrote the epoch to `training_metadata.json`, the restart
+    trained epoch 3 again on weights that had seen it (15 updates, not
+    12), silently. The weights' own record of their epoch now decides."""
+    backup = tmp_path / "backup"
+    flags = ["between", "double"] if double_checkpoint else ["between"]
+    _killed_during_backup(backup, 3, *flags)  # The end of epoch 3 of 4.
+    with pytest.warns(UserWarning, match="stopped between writing the two"):
+        resumed, reference, epochs_run = _resume_and_compare(
+            backup, double_checkpoint=double_checkpoint
+        )
+    assert epochs_run == 1
+    assert int(resumed.optimizer.iterations) == 12
+
+
+@pytest.mark.tensorflow_only(
+    reason="Keras's own BackupAndRestore files, the same on every backend"
+)
+def test_plain_model_killed_between_the_backup_files_replays_an_epoch(
+    tmp_path,
+):
+    """What docs/guides/robustness.md says of `keras.Model` there."""
+    import _backup_kill_worker as worker
+
+    backup = tmp_path / "backup"
+    _killed_during_backup(backup, 3, "plain", "between")
+    resumed = worker.build(plain=True)
+    history = worker.fit(
+        resumed, [keras.callbacks.BackupAndRestore(str(backup))]
+    )
+    # Epochs 3 and 4 on weights that had seen epoch 3: 9 updates too many.
+    assert len(history.history["loss"]) == 2
+    assert int(resumed.optimizer.iterations) == 5 * 9
+
+
+def test_a_backup_taken_mid_epoch_warns_that_keras_replays_it(tmp_path):
+    """`save_freq` in batches: Keras restarts the epoch from its first
+    batch, so what the backup saw of it is trained twice; not silently."""
+    x, y = regression_data(n=64)
+
+    def model():
+        m = accum_mlp(K)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return m
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=6)
+    first = model()
+    with pytest.raises(RuntimeError, match="pre-empted"):
+        first.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[backup, _Interrupt(epoch=0, batch=7)],
+        )
+    again = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=6)
+    with pytest.warns(UserWarning, match="during epoch 1, after 6 of its"):
+        model().fit(
+            x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[again]
+        )
+
+
 @pytest.mark.tensorflow_only(
     reason="Keras's own BackupAndRestore files, the same on every backend"
 )

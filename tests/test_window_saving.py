@@ -26,11 +26,12 @@ COUNTERS = (
     "acc_samples",
     "acc_grad_sq",
     "mini_step",
+    "epoch",
     "epoch_step",
     "window_length",
     "skipped_windows",
 )
-INTS = ("mini_step", "epoch_step", "window_length", "skipped_windows")
+INTS = ("mini_step", "epoch", "epoch_step", "window_length", "skipped_windows")
 
 
 def _compiled(model):
@@ -162,6 +163,11 @@ ISSUE_CASES = [
         "skipped_windows",
         lambda g: _set(g, "skipped_windows", np.int64(-5)),
         r"entry `skipped_windows` = -5 is outside 0\.\.",
+    ),
+    (
+        "epoch",
+        lambda g: _set(g, "epoch", np.int64(-1)),
+        r"entry `epoch` = -1 is outside 0\.\.",
     ),
     (
         "mini_step",
