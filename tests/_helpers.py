@@ -232,6 +232,11 @@ class LargeBatch:
         twin, updates, logs, done = self._twin
         with float64():
             for method, args, kwargs in self._calls[done:]:
+                # Float data in float64 too: a layer that computes in its
+                # input's dtype (BatchNormalization) would stay float32.
+                args, kwargs = keras.tree.map_structure(
+                    _as_float64, (args, kwargs)
+                )
                 if method == "fit":
                     kwargs = {**kwargs, "verbose": 0}
                     history = twin.fit(*args, callbacks=[updates], **kwargs)
@@ -273,6 +278,12 @@ class LargeBatch:
             ):
                 variable.assign(value)
         return twin
+
+
+def _as_float64(value):
+    if isinstance(value, np.ndarray) and value.dtype == np.float32:
+        return value.astype("float64")
+    return value
 
 
 def _extend_logs(logs, history):
