@@ -58,6 +58,9 @@ def _read_status(field):
 def child(model_name, variant, micro_batch, k, steps):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # Allocator statistics on every CPU (TensorFlow keeps them only as the
+    # BFC allocator, its default only where it enables oneDNN).
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import keras
     import numpy as np
 
@@ -123,6 +126,9 @@ def sweep_child(variant, samples):
     """Peak resident-set growth of `fit` on `samples` in-memory images."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # Allocator statistics on every CPU (TensorFlow keeps them only as the
+    # BFC allocator, its default only where it enables oneDNN).
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import keras
     import numpy as np
 

@@ -16,6 +16,11 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# TensorFlow's CPU allocator keeps statistics (`get_memory_info`, which
+# tests/test_memory.py reads) only where it is the BFC allocator: by default
+# on CPUs where TensorFlow enables oneDNN (Intel's), not on others (AMD's).
+# Set for every CPU, before TensorFlow starts; subprocesses inherit it.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 if os.environ["KERAS_BACKEND"] == "jax":
     # The equivalence is measured on CPU; two CPU devices for
     # `keras.distribution` (tests/test_model.py). Before JAX is imported.
