@@ -19,6 +19,7 @@ hooks that carry the window in the state (`_get_jax_state`,
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import keras
@@ -108,11 +109,10 @@ class JaxAccumTrainer(AccumTrainer):
         count = len(self.optimizer.variables)
         optimizer_values = list(optimizer_and_window[:count])
         window_state = self._window_for_step()
-        window = window_state.unpack(optimizer_and_window[count:])
+        accumulators, counters = window_state.unpack(
+            optimizer_and_window[count:]
+        )
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch_size = next(
-            i for i in keras.tree.flatten(x) if i is not None
-        ).shape[0]
 
         if not self.trainable_weights:
             warnings.warn(
@@ -121,42 +121,20 @@ class JaxAccumTrainer(AccumTrainer):
 
         # Forward pass, loss and its share of the window, and gradients.
         grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
-        (_, aux), grads = grad_fn(
-            trainable,
-            non_trainable,
-            metrics,
-            window_state.pack(window),
-            optimizer_values,
-            x,
-            y,
-            sample_weight,
-            batch_size,
-        )
-        loss, y_pred, non_trainable, metrics, weight, normalizer, term = aux
-
-        scheduled = self._scheduled_length(
-            optimizer_values[_iterations_index(self.optimizer)]
-        )
+        values = _StepValues(non_trainable, metrics, optimizer_values, counters)
+        (_, aux), grads = grad_fn(trainable, values, x, y, sample_weight)
+        loss, y_pred, non_trainable, metrics, share = aux
 
         # Apply: into the window, and the window once it is complete.
-        window = _window.accumulate(
-            window,
-            grads,
-            weight,
-            normalizer,
-            term,
-            batch_size,
-            scheduled,
-            self._noise_scale_every,
+        backend = JaxOps(
+            accumulators, self.optimizer, trainable, optimizer_values
         )
-        complete = _window.is_complete(window, self._partial_window == "apply")
-        window, trainable, optimizer_values, applied = _close(
-            window,
-            complete,
-            self.optimizer,
-            trainable,
-            optimizer_values,
-            self._noise_scale_every,
+        updates = optimizer_values[_iterations_index(self.optimizer)]
+        counters, complete = _window.accumulate(
+            counters, backend, grads, share, self._plan(updates)
+        )
+        counters, applied = _window.close(
+            counters, backend, complete, self._jax_close_policy(backend)
         )
         non_trainable = self._run_close_hooks(non_trainable, applied, complete)
 
@@ -164,50 +142,41 @@ class JaxAccumTrainer(AccumTrainer):
         logs, metrics = self._update_metrics_variables(
             metrics, loss, x, y, y_pred, sample_weight
         )
+        window = window_state.pack(backend.accumulators, counters)
         state = (
-            trainable,
+            backend.trainable,
             non_trainable,
-            [*optimizer_values, *window_state.pack(window)],
+            [*backend.optimizer_values, *window],
             metrics,
         )
         return logs, state
 
-    def _jax_objective(
-        self,
-        trainable,
-        non_trainable,
-        metrics,
-        window_values,
-        optimizer_values,
-        x,
-        y,
-        sample_weight,
-        batch_size,
-    ):
+    def _jax_objective(self, trainable, values, x, y, sample_weight):
         """What the step differentiates: the micro-batch's window objective.
 
         Keras's `compute_loss_and_updates`, except that the loss is turned
         into the micro-batch's share of the window by `_micro_batch_share`
-        (shared with the other backends), with the window's values mapped
-        onto its variables.
+        (shared with the other backends), with the state's values mapped
+        onto the variables (`values`: the `_StepValues` besides the
+        differentiated `trainable`).
 
         Returns:
             `(scaled objective, (loss, y_pred, non_trainable, metrics,
-            weight, normaliser, window loss term))`.
+            share))`.
         """
         kwargs = {}
         if self._call_has_training_arg:
             kwargs["training"] = True
         y_pred, non_trainable, losses = self.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs
+            trainable, values.non_trainable, x, return_losses=True, **kwargs
         )
         mapping = [
             *zip(self.trainable_variables, trainable, strict=True),
             *zip(self.non_trainable_variables, non_trainable, strict=True),
-            *zip(self.metrics_variables, metrics, strict=True),
-            *zip(self._window.variables, window_values, strict=True),
+            *zip(self.metrics_variables, values.metrics, strict=True),
+            *zip(self._window.counters, values.counters, strict=True),
             # For `scale_loss`.
-            *zip(self.optimizer.variables, optimizer_values, strict=True),
+            *zip(self.optimizer.variables, values.optimizer, strict=True),
         ]
         if losses:
             # The forward pass's losses (regularization included), for
@@ -223,8 +192,11 @@ class JaxAccumTrainer(AccumTrainer):
                     sample_weight=sample_weight,
                     training=True,
                 )
-                scaled, weight, normalizer, term = self._micro_batch_share(
-                    loss, y, y_pred, sample_weight, batch_size, self._window
+                batch_size = next(
+                    i for i in keras.tree.flatten(x) if i is not None
+                ).shape[0]
+                objective, share = self._micro_batch_share(
+                    loss, y_pred, sample_weight, batch_size
                 )
         finally:
             if losses:
@@ -233,8 +205,17 @@ class JaxAccumTrainer(AccumTrainer):
             scope.get_current_value(v) for v in self.non_trainable_variables
         ]
         metrics = [scope.get_current_value(v) for v in self.metrics_variables]
-        aux = (loss, y_pred, non_trainable, metrics, weight, normalizer, term)
-        return scaled, aux
+        return objective, (loss, y_pred, non_trainable, metrics, share)
+
+    def _jax_close_policy(self, backend):
+        mapping = list(
+            zip(self.optimizer.variables, backend.optimizer_values, strict=True)
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            loss_scale = self.optimizer.scale_loss(
+                keras.ops.ones((), "float32")
+            )
+        return self._close_policy(loss_scale)
 
     def _run_close_hooks(self, non_trainable, applied, closing):
         """Runs the window's close hooks on the model's non-trainable values.
@@ -261,27 +242,23 @@ class JaxAccumTrainer(AccumTrainer):
         window_state = self._window
         optimizer = self.optimizer
 
-        noise_every = self._noise_scale_every
-
         def flush_step(trainable, non_trainable, optimizer_values, values):
-            window = window_state.unpack(values)
-            closing = window["mini_step"] > 0
-            window, trainable, optimizer_values, applied = _close(
-                window,
-                closing,
-                optimizer,
-                trainable,
-                optimizer_values,
-                noise_every,
+            accumulators, counters = window_state.unpack(values)
+            closing = counters.mini_step > 0
+            backend = JaxOps(
+                accumulators, optimizer, trainable, optimizer_values
+            )
+            counters, applied = _window.close(
+                counters, backend, closing, self._jax_close_policy(backend)
             )
             non_trainable = self._run_close_hooks(
                 non_trainable, applied, closing
             )
             return (
-                trainable,
+                backend.trainable,
                 non_trainable,
-                optimizer_values,
-                window_state.pack(window),
+                backend.optimizer_values,
+                window_state.pack(backend.accumulators, counters),
             )
 
         if not self.run_eagerly and self.jit_compile:
@@ -306,74 +283,85 @@ class JaxAccumTrainer(AccumTrainer):
         return flush
 
 
-def _close(
-    window,
-    should_close,
-    optimizer,
-    trainable_values,
-    optimizer_values,
-    noise_every=0,
-):
-    """`_window.close` with a stateless apply under `jax.lax.cond`.
+class _StepValues(NamedTuple):
+    """The state's values a step maps onto the model's variables, besides
+    the trainable ones it differentiates."""
 
-    Returns:
-        `(window, trainable_values, optimizer_values, applied)`: new values,
-        and whether the optimizer applied the window.
+    non_trainable: list
+    metrics: list
+    optimizer: list
+    counters: _window.Counters
+
+
+class JaxOps(_window.WindowOps):
+    """The accumulators and optimizer of JAX's stateless step, as values.
+
+    Each operation returns or keeps new values (`accumulators`,
+    `trainable`, `optimizer_values`), which the step puts in its state.
     """
-    new = {}
 
-    def update(go, gradients):
-        def apply(trainable_values, optimizer_values, accumulators):
-            del accumulators  # `gradients()` reads them.
-            window_gradients = gradients()
+    def __init__(self, accumulators, optimizer, trainable, optimizer_values):
+        self.accumulators = list(accumulators)
+        self.trainable = list(trainable)
+        self.optimizer_values = list(optimizer_values)
+        self._optimizer = optimizer
+
+    def add(self, grads, weight, starting, sampled, closing_divisor):
+        del closing_divisor  # XLA divides each accumulator in its buffer.
+        added = []
+        for grad in grads:
+            value = keras.ops.cast(grad, _window.ACC_DTYPE)
+            added.append(value if weight is None else value * weight)
+        self.accumulators = [
+            keras.ops.where(starting, value, acc + value)
+            for acc, value in zip(self.accumulators, added, strict=True)
+        ]
+        if sampled is None:
+            return None
+        squares = _window.sum_of_squares(added)
+        return keras.ops.where(sampled, squares, keras.ops.zeros_like(squares))
+
+    def all_finite(self):
+        return _window.all_finite(self.accumulators)
+
+    def sum_of_squares(self):
+        return _window.sum_of_squares(self.accumulators)
+
+    def gradients(self, divisor):
+        return [acc / divisor for acc in self.accumulators]
+
+    def apply(self, go, divisor):
+        optimizer = self._optimizer
+
+        def apply(trainable, optimizer_values, accumulators):
+            window_gradients = [acc / divisor for acc in accumulators]
             grads = [
                 keras.ops.cast(g, value.dtype)
-                for g, value in zip(
-                    window_gradients, trainable_values, strict=True
-                )
+                for g, value in zip(window_gradients, trainable, strict=True)
             ]
-            trainable, optimizer_new = optimizer.stateless_apply(
-                optimizer_values, grads, trainable_values
+            trainable, optimizer_values = optimizer.stateless_apply(
+                optimizer_values, grads, trainable
             )
             # The window's gradient becomes the accumulators' value (the
             # next micro-batch overwrites it): XLA then divides each
             # accumulator into its own buffer, where a quotient of every
-            # weight alive until the apply cost a copy of the weights
-            # (measured, 7-layer MLP: the step's temporaries 1.0 P before,
-            # 0.23 P now, 0.36 P for `Model(B)`).
-            return trainable, optimizer_new, window_gradients
+            # weight alive until the apply would cost a copy of the
+            # weights.
+            return trainable, optimizer_values, window_gradients
 
-        def keep(trainable_values, optimizer_values, accumulators):
-            return (
-                list(trainable_values),
-                list(optimizer_values),
-                list(accumulators),
-            )
+        def keep(trainable, optimizer_values, accumulators):
+            return list(trainable), list(optimizer_values), list(accumulators)
 
         # Only the chosen branch runs: one optimizer apply per window.
-        new["trainable"], new["optimizer"], new["acc_grads"] = jax.lax.cond(
+        self.trainable, self.optimizer_values, self.accumulators = jax.lax.cond(
             go,
             apply,
             keep,
-            list(trainable_values),
-            list(optimizer_values),
-            list(window["acc_grads"]),
+            self.trainable,
+            self.optimizer_values,
+            self.accumulators,
         )
-        return new["optimizer"][_iterations_index(optimizer)]
-
-    mapping = list(zip(optimizer.variables, optimizer_values, strict=True))
-    with keras.StatelessScope(state_mapping=mapping):
-        loss_scale = optimizer.scale_loss(keras.ops.ones((), "float32"))
-    window, applied = _window.close(
-        window,
-        should_close,
-        update,
-        scales_loss=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
-        noise_every=noise_every,
-        loss_scale=loss_scale,
-    )
-    window = window.replace(acc_grads=new["acc_grads"])
-    return window, new["trainable"], new["optimizer"], applied
+        return self.optimizer_values[_iterations_index(optimizer)]
 
 
 def _iterations_index(optimizer):

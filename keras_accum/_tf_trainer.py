@@ -68,10 +68,8 @@ class TensorFlowAccumTrainer(AccumTrainer):
             )
 
             # Scale: the micro-batch's share of the window's loss.
-            objective, weight, normalizer, window_loss_term = (
-                self._micro_batch_share(
-                    loss, y, y_pred, sample_weight, batch_size, window
-                )
+            objective, share = self._micro_batch_share(
+                loss, y_pred, sample_weight, batch_size
             )
 
         if not self.trainable_weights:
@@ -84,114 +82,71 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
         # Gradients.
         gradients = tape.gradient(objective, self.trainable_weights)
-        none_grads = self._window_none_grads = [g is None for g in gradients]
+        self._window_none_grads = [g is None for g in gradients]
 
-        # Apply: into the window, and the window once it is complete. Its
-        # counters and its update wait for the micro-batch, its loss and
-        # every gradient. Without that, ops that read no data (counters, a
-        # constant batch size) still run when the step fails: on the call
-        # that finds an input of unknown length exhausted, or on an error
-        # in the forward pass, they would count a micro-batch whose
-        # gradient never entered the window. On every gradient, not only
-        # the loss: under MultiWorkerMirroredStrategy a narrower set let
-        # the workers launch their gradient all-reduces in different
-        # orders. (Each accumulator's write waits for its own gradient
-        # only: see `_tf_window.accumulate`.)
+        # Apply: into the window, and the window once it is complete.
         ready = [
             t
             for t in tf.nest.flatten(data, expand_composites=True)
             if tf.is_tensor(t)
         ]
         ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
-        self._add_to_window(
-            window,
-            gradients,
-            none_grads,
-            weight,
-            normalizer,
-            window_loss_term,
-            batch_size,
-            ready,
-        )
+        self._add_to_window(window, gradients, share, ready)
 
         # Metrics.
         return self._logs_for_strategy(
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         )
 
-    def _add_to_window(
-        self,
-        window,
-        gradients,
-        none_grads,
-        weight,
-        normalizer,
-        window_loss_term,
-        batch_size,
-        ready,
-    ):
+    def _add_to_window(self, window, gradients, share, ready):
         """Adds a micro-batch to the window and applies a complete one.
 
-        What it changes besides the accumulators waits for `ready`.
+        Each accumulator's write waits for its own gradient only (see
+        `_tf_window.TensorFlowOps.add`); the window's counters and its
+        update wait for `ready`: the micro-batch, its loss and every
+        gradient. Without that, ops that read no data (counters, a constant
+        batch size) still run when the step fails: on the call that finds
+        an input of unknown length exhausted, or on an error in the
+        forward pass, they would count a micro-batch whose gradient never
+        entered the window. On every gradient, not only the loss: under
+        MultiWorkerMirroredStrategy a narrower set let the workers launch
+        their gradient all-reduces in different orders.
         """
-        trainable_weights = self.trainable_weights
+        backend = self._tensorflow_ops()
+        read = window.read()
+        counters, complete = _window.accumulate(
+            read,
+            backend,
+            gradients,
+            share,
+            self._plan(self.optimizer.iterations),
+        )
         with tf.control_dependencies(ready):
-            scheduled = self._scheduled_length(self.optimizer.iterations)
-        noise_every = self._noise_scale_every
-        xla = bool(self.jit_compile)
-
-        def accumulate_then_maybe_apply():
-            divided = _tf_window.accumulate(
-                window,
-                gradients,
-                weight,
-                normalizer,
-                window_loss_term,
-                batch_size,
-                scheduled,
-                noise_every,
-                xla,
-                ready,
-                close_at_epoch_end=self._partial_window == "apply",
+            window.write(counters, read)
+            _tf_window.close_when(
+                tf.identity(complete), self._close_window, backend
             )
-            with tf.control_dependencies(ready):
-                complete = _window_is_complete(window, self._partial_window)
-                _tf_window.close(
-                    window,
-                    self.optimizer,
-                    trainable_weights,
-                    complete,
-                    none_grads,
-                    noise_every,
-                    xla,
-                    divided_in_step=divided,
-                )
 
-        if self._accum_steps == 1 and _tf_window.supports_direct_apply():
-            # A one-micro-batch window is the micro-batch: apply its
-            # gradient as a plain step does, without the accumulators.
-            # Traced only for `accum_steps=1`: the conditional holds the
-            # micro-batch's gradients for its whole run, which would cost
-            # a gradient-sized buffer during every longer window's apply.
-            # The runtime check keeps a later `accum_steps` change exact.
-            with tf.control_dependencies(ready):
-                direct = _tf_window.is_direct(window)
-            tf.cond(
-                direct,
-                lambda: _tf_window.apply_direct(
-                    window,
-                    self.optimizer,
-                    trainable_weights,
-                    gradients,
-                    none_grads,
-                    normalizer,
-                    window_loss_term,
-                    batch_size,
-                ),
-                accumulate_then_maybe_apply,
-            )
-        else:
-            accumulate_then_maybe_apply()
+    def _tensorflow_ops(self):
+        variables = self.trainable_weights
+        return _tf_window.TensorFlowOps(
+            self._window,
+            self.optimizer,
+            variables,
+            self._window_none_grads or [False] * len(variables),
+            xla=bool(self.jit_compile),
+        )
+
+    def _close_window(self, backend):
+        """Closes the window with `backend`'s operations: `_window.close`."""
+        read = backend.read()
+        # Loss scaling multiplies every gradient by the same scale.
+        loss_scale = self.optimizer.scale_loss(tf.ones(()))
+        counters, applied = _window.close(
+            read, backend, True, self._close_policy(loss_scale)
+        )
+        backend.write(counters, read)
+        backend.close_hooks(applied)
 
     def _check_length_in_step(self, length, updates, message):
         if tf.executing_eagerly():
@@ -214,21 +169,12 @@ class TensorFlowAccumTrainer(AccumTrainer):
     # -- Applying an open window outside the step -----------------------------
 
     def _make_flush_function(self):
-        window = self._window
         strategy = self.distribute_strategy
-        variables = self.trainable_weights
-        noise_every = self._noise_scale_every
-        xla = bool(self.jit_compile)
 
         def replica_fn():
-            _tf_window.close(
-                window,
-                self.optimizer,
-                variables,
-                window.mini_step.value > 0,
-                self._window_none_grads or [False] * len(variables),
-                noise_every,
-                xla,
+            open_ = self._window.counters.mini_step.value > 0
+            _tf_window.close_when(
+                open_, self._close_window, self._tensorflow_ops()
             )
 
         @tf.function
@@ -280,10 +226,6 @@ def _check_created_in_scope(variables, strategy) -> None:
             f"Received: {len(outside)} weight(s) outside the scope, "
             f"e.g. {outside[:3]}"
         )
-
-
-def _window_is_complete(window, partial_window):
-    return _window.is_complete(window.values(), partial_window == "apply")
 
 
 def _multi_worker(strategy) -> bool:

@@ -1,22 +1,24 @@
-"""What the window does differently on TensorFlow: in place, per replica.
+"""The window's operations on TensorFlow: in place, per replica.
 
-The window's rules are `_window.py`'s; TensorFlow's graph step runs them on
-its variables, and only these parts differ:
+`TensorFlowOps` is the `_window.WindowOps` of TensorFlow's graph step; the
+rules are `_window.py`'s. What differs from the other backends:
 
 - each accumulator is written as soon as backpropagation has made its
-  gradient, and the update runs the optimizer on one weight after
-  another (under XLA: the accumulators are divided as the window's last
-  micro-batch is added), so that a step holds about one layer's gradient
-  at a time, as a plain step does;
+  gradient, in place, and the update runs the optimizer on one weight
+  after another (`_updates_one_at_a_time`), so that a step holds about one
+  layer's gradient at a time, as a plain step does;
+- under XLA on one replica, the micro-batch that completes a window
+  divides the accumulators as it adds to them, and the optimizer reads
+  them as they are: XLA would make every quotient at once otherwise
+  (`benchmarks/bench_step_memory.py`, deep MLP: 1.0 P above the state,
+  against 0.36 P for a plain step);
 - under `tf.distribute` every window variable is per replica (`ON_READ`):
   micro-steps touch only local memory, and nothing crosses devices until
   the update, where the replicas exchange one packed vector of window
-  totals besides the optimizer's own gradient all-reduce; where an
-  optimizer apply needs `merge_call`, the update's conditionals run in
-  cross-replica context, as in Keras's `LossScaleOptimizer`;
-- a one-micro-batch window (`accum_steps=1`) can be applied straight from
-  its gradient (`apply_direct`);
-- embedding gradients (`IndexedSlices`) have their repeated rows summed;
+  totals besides the optimizer's own gradient all-reduce. An optimizer
+  apply there needs `merge_call`, which may not sit inside a per-replica
+  conditional: the conditionals move to cross-replica context
+  (`guarded`), as in Keras's `LossScaleOptimizer`;
 - under XLA, sums of squares avoid a single-threaded reduction.
 """
 
@@ -29,16 +31,17 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from keras_accum import _window
-from keras_accum._window import ACC_DTYPE, WindowState
+from keras_accum._window import ACC_DTYPE, TOTALS, WindowState
 
 
 def create(trainable_variables, length, strategy, close_hooks=()):
     """A `WindowState` of per-replica variables under `strategy`."""
 
-    def make_variable(name, shape, dtype, summed, like):
+    def make_variable(name, shape, dtype, like):
         # No layout to follow: Keras's TensorFlow backend implements no
         # `keras.distribution` (3.15; `check_model` warns of one).
         del like
+        summed = name.startswith("acc_grad_") or name in TOTALS
         return keras.Variable(
             initializer="zeros",
             shape=shape,
@@ -57,368 +60,252 @@ def create(trainable_variables, length, strategy, close_hooks=()):
         )
 
 
-# -- Adding a micro-batch (replica context) -----------------------------------
+def needs_merge_call() -> bool:
+    """Whether an optimizer apply here calls `merge_call` (the strategies
+    of `tf.distribute`), which may not sit inside a per-replica
+    conditional."""
+    return tf.distribute.has_strategy() and not (
+        tf.__internal__.distribute.strategy_supports_no_merge_call()
+    )
 
 
-def accumulate(
-    state,
-    grads,
-    weight,
-    normalizer,
-    loss,
-    samples,
-    scheduled=None,
-    noise_every=0,
-    xla=False,
-    ready=(),
-    close_at_epoch_end=False,
-):
-    """`_window.accumulate`, each accumulator written as its gradient comes.
+def close_when(condition, close, replica_ops) -> None:
+    """Runs `close(backend)` where the boolean scalar `condition` holds.
 
-    A plain step updates each weight as soon as backpropagation has made
-    its gradient, which frees it: a step holds about one layer's gradient
-    at a time. So here each accumulator's write waits for its own gradient
-    only, and the window's counters and totals for `ready` (the
-    micro-batch, its loss and every gradient: see
-    `TensorFlowAccumTrainer.train_step`). Waiting for every gradient
-    before any write held all of them at once, a copy of the weights
-    (measured, 7-layer MLP: the step's peak 0.34 P above the persistent
-    state for `Model(B)`, 1.0 P for `AccumModel` before, 0.34 P now).
-
-    Under XLA on one replica, the micro-batch that completes a window
-    also divides the accumulators by the window's divisor as it adds to
-    them, and `close` hands them to the optimizer as they are
-    (`divides_in_step`): XLA made every quotient before the update
-    otherwise (7-layer MLP: 1.0 P above the state, against 0.36 P for
-    `Model(B)`). Returns whether it does.
+    In replica context under a `tf.cond`, with `replica_ops`; where an
+    optimizer apply needs `merge_call`, which may not sit inside a
+    per-replica conditional, under a `tf.cond` in cross-replica context
+    (taking the first replica's `condition`: every replica computes the
+    same), with `CrossReplicaOps`, as Keras's `LossScaleOptimizer` does.
     """
-    weight = tf.cast(weight, ACC_DTYPE)
-    # Read before the counters move: `_window.accumulate` sees the same.
-    starting = tf.equal(state.mini_step.value, 0)
-    measure = None
-    if noise_every == 1:
-        measure = True
-    elif noise_every:
-        measure = _window.is_sampled(state.values(), noise_every)
+    if not needs_merge_call():
+        tf.cond(condition, lambda: _call(close, replica_ops), _nothing)
+        return
 
-    def with_micro_batch(noise_every, squares):
-        # The window's values with this micro-batch in; the accumulators
-        # are written in place, by `_add_each`.
-        return _window.accumulate(
-            state.values(),
-            grads,
-            weight,
-            normalizer,
-            loss,
-            samples,
-            scheduled,
-            noise_every,
-            add=lambda *_: (None, squares),
-        )
+    def cross_replica(distribution, condition):
+        flag = distribution.experimental_local_results(condition)[0]
+        backend = CrossReplicaOps(replica_ops, distribution)
+        tf.cond(flag, lambda: _call(close, backend), _nothing)
 
-    divisor = None
-    if xla and divides_in_step():
-        # As the step writes them below: does it complete the window?
-        counted = with_micro_batch(0, None)
-        divisor = tf.where(
-            _window.is_complete(counted, close_at_epoch_end),
-            _window.window_divisor(counted["acc_normalizer"]),
-            tf.ones((), ACC_DTYPE),
-        )
-    squares = _add_each(state, grads, weight, starting, measure, xla, divisor)
-    with tf.control_dependencies(list(ready)):
-        state.write(with_micro_batch(noise_every, squares))
-    return divisor is not None
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(condition,)
+    )
 
 
-def divides_in_step():
-    """Whether `accumulate` under XLA divides a completing window here.
+class TensorFlowOps(_window.WindowOps):
+    """The accumulators, replicas and optimizer of a TensorFlow step, in
+    replica context (all of them where `needs_merge_call` is False).
 
-    One replica, on a strategy whose optimizer apply needs no
-    `merge_call`: elsewhere the divisor is a sum over replicas, known
-    only at the update.
+    Args:
+        state: The `WindowState`.
+        optimizer: The model's optimizer.
+        variables: The trainable variables, in the accumulators' order.
+        none_grads: For each variable, whether its gradient is None (the
+            loss does not reach it): it gets None at the update too.
+        xla: The step is compiled by XLA.
     """
-    ctx = tf.distribute.get_replica_context()
-    one_replica = ctx is None or ctx.num_replicas_in_sync == 1
-    return one_replica and supports_direct_apply()
 
+    def __init__(self, state, optimizer, variables, none_grads, xla=False):
+        self.state = state
+        self.optimizer = optimizer
+        self.variables = variables
+        self.none_grads = none_grads
+        self.xla = xla
+        ctx = tf.distribute.get_replica_context()
+        one_replica = ctx is None or ctx.num_replicas_in_sync == 1
+        self._divides_in_step = xla and one_replica and not needs_merge_call()
+        # Set by `add` where it divided a completing window.
+        self._divided_by = None
 
-def _add_each(state, grads, weight, starting, measure, xla, divisor=None):
-    """Writes `grads` times `weight` into the accumulators, one by one.
+    def add(self, grads, weight, starting, sampled, closing_divisor):
+        """Writes each accumulator as soon as its own gradient exists.
 
-    A window's first micro-batch overwrites what the last window left
-    (`_window.add_weighted`'s rule), so nothing clears the accumulators
-    after an update; a conditional per accumulator picks the write, so
-    that it takes that accumulator's gradient only and writes in place
-    (a select of `value` and `acc + value` costs two more passes over the
-    weights per micro-batch: measured +19% CPU time per sample on a
-    784-512-512-10 MLP). With a `divisor` (XLA, see `accumulate`), a
-    select whose result is divided: XLA fuses it into one pass. Returns
-    the sum of the squares of what was added
-    where `measure` (a boolean scalar, or True for every window) holds,
-    zero elsewhere; None if `measure` is None.
-    """
-    zero = tf.zeros((), ACC_DTYPE)
-    squares = []
-    for acc, grad in zip(state.acc_grads, grads, strict=True):
-        if grad is None:
-            continue
-        # Embedding gradients (`IndexedSlices`) densify here: the
-        # accumulator is dense anyway.
-        value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE) * weight
-        if divisor is not None:
-            acc.assign(tf.where(starting, value, acc.value + value) / divisor)
-        else:
-            tf.cond(
-                starting,
-                lambda acc=acc, value=value: acc.assign(value),
-                lambda acc=acc, value=value: acc.assign_add(value),
-            )
-        if measure is None:
-            continue
+        A conditional per accumulator picks the write (a window's first
+        micro-batch assigns, later ones add in place), so that it takes
+        that accumulator's gradient only: waiting for every gradient
+        before any write would hold all of them at once. Under XLA on one
+        replica, a select whose result is divided by `closing_divisor`:
+        XLA fuses it into one pass.
+        """
+        zero = tf.zeros((), ACC_DTYPE)
+        squares = []
+        for acc, grad in zip(self.state.acc_grads, grads, strict=True):
+            if grad is None:
+                continue
+            # Embedding gradients (`IndexedSlices`) densify here, their
+            # repeated rows summed: the accumulator is dense anyway.
+            value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
+            if weight is not None:
+                value = value * weight
+            if self._divides_in_step:
+                total = tf.where(starting, value, acc.value + value)
+                acc.assign(total / closing_divisor)
+            else:
+                tf.cond(
+                    starting,
+                    lambda acc=acc, value=value: acc.assign(value),
+                    lambda acc=acc, value=value: acc.assign_add(value),
+                )
+            if sampled is not None:
+                squares.append(self._squares_of_added(value, sampled, zero))
+        if self._divides_in_step:
+            self._divided_by = closing_divisor
+        if sampled is None:
+            return None
+        return tf.add_n(squares) if squares else zero
+
+    def _squares_of_added(self, value, sampled, zero):
         # Per accumulator, so that no gradient waits for the others; in a
         # conditional where windows are sampled, so that the others skip
         # the pass.
-        if measure is True:
-            squares.append(_sum_of_squares([value], xla))
-        else:
-            squares.append(
-                tf.cond(
-                    measure,
-                    lambda value=value: _sum_of_squares([value], xla),
-                    lambda: zero,
-                )
-            )
-    if measure is None:
-        return None
-    return tf.add_n(squares) if squares else zero
-
-
-# -- Closing a window (any replica context) -----------------------------------
-
-
-def close(
-    state,
-    optimizer,
-    variables,
-    should_close,
-    none_grads,
-    noise_every=0,
-    xla=False,
-    divided_in_step=False,
-):
-    """Closes the window once if `should_close`: `_window.close`, in place.
-
-    `divided_in_step`: `accumulate` divided the accumulators already.
-
-    An optimizer apply calls `merge_call` under most strategies, which may
-    not sit inside a per-replica `tf.cond`; there the conditionals move to
-    cross-replica context, and the rules' stages run on each replica.
-    """
-    scales_loss = isinstance(optimizer, LossScaleOptimizer)
-
-    def estimate_noise(window, totals):
-        nan = tf.constant(float("nan"), ACC_DTYPE)
-        if not noise_every:
-            return nan, nan
-        # Loss scaling multiplies every gradient by the same scale.
-        scale = optimizer.scale_loss(tf.ones(()))
-
-        # Of the window's sum: undo a division made in the step.
-        undivide = tf.ones((), ACC_DTYPE)
-        if divided_in_step:
-            undivide = tf.square(_window.window_divisor(totals[0]))
-
-        def estimate():
-            return _window.noise_statistics(
-                window,
-                scale,
-                squares_of=lambda values: (
-                    _sum_of_squares(values, xla) * undivide
-                ),
-            )
-
-        if noise_every == 1:
-            return estimate()
-        sampled = _window.is_sampled(window, noise_every)
-        return tf.cond(sampled, estimate, lambda: (nan, nan))
-
-    def prepared(grads):
-        grads = [
-            tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)
-        ]
-        return _clip_across_replicas(optimizer, grads)
-
-    def finish_here(totals, finite, applied, trace, grad_sq):
-        window = _window.finish(
-            state.values(),
-            totals,
-            finite,
-            True,
-            optimizer.iterations,
-            trace,
-            grad_sq,
+        if sampled is True:
+            return _sum_of_squares([value], self.xla)
+        return tf.cond(
+            sampled, lambda: _sum_of_squares([value], self.xla), lambda: zero
         )
-        state.write(window)
-        _run_hooks(state, applied)
 
-    if (
-        not tf.distribute.has_strategy()
-        or tf.__internal__.distribute.strategy_supports_no_merge_call()
-    ):
+    def all_finite(self):
+        return _window.all_finite([acc.value for acc in self.state.acc_grads])
 
-        def update(go, gradients):
-            grads = prepared(gradients())
-            tf.cond(
-                go,
-                lambda: _apply_gradients(
-                    optimizer,
-                    grads,
-                    variables,
-                    none_grads,
-                    one_at_a_time=not xla,
-                ),
-                _nothing,
-            )
-            return optimizer.iterations
+    def sum_of_squares(self):
+        squares = _sum_of_squares(
+            [acc.value for acc in self.state.acc_grads], self.xla
+        )
+        if self._divided_by is not None:
+            # Of the window's sum, not of what `add` divided it into.
+            squares = squares * tf.square(self._divided_by)
+        return squares
 
-        def close_here():
-            window, applied = _window.close(
-                state.values(),
-                True,
-                update,
-                scales_loss=scales_loss,
-                reduce_totals=_all_reduce_sum,
-                estimate_noise=estimate_noise,
-                divide=_divide(state, xla, divided_in_step),
-            )
-            state.write(window)
-            _run_hooks(state, applied)
+    def gradients(self, divisor):
+        accs = self.state.acc_grads
+        if self._divided_by is not None:
+            return [acc.value for acc in accs]
+        if self.xla:
+            # An assignment there costs XLA a copy of each accumulator
+            # (measured): new quotients, then.
+            return [acc.value / divisor for acc in accs]
+        # Into the accumulators: the optimizer then reads them, without a
+        # new quotient per weight alive until the apply (measured: the
+        # update's peak fell from about 1.8 to 1.0-1.2 P above
+        # `Model(B)`'s). The noise estimates and finiteness are read
+        # before this, and a window's first micro-batch overwrites it.
+        for acc in accs:
+            acc.assign(acc.value / divisor)
+        # Tensors read here: handed on as variables, under a strategy they
+        # would be read where no replica's device is set.
+        return [tf.identity(acc.value) for acc in accs]
 
-        tf.cond(should_close, close_here, _nothing)
-        return
+    def apply(self, go, divisor):
+        tf.cond(
+            go,
+            lambda: self.applied(self.prepared(self.gradients(divisor))),
+            _nothing,
+        )
+        return self.optimizer.iterations
 
-    def cross_replica(distribution, should_close):
-        # Every replica counts the same micro-steps: take the first.
-        flag = distribution.experimental_local_results(should_close)[0]
-        call = distribution.extended.call_for_each_replica
-
-        def close_window():
-            totals = distribution.reduce(
-                tf.distribute.ReduceOp.SUM,
-                call(lambda: _window.local_totals(state.values())),
-                axis=None,
-            )
-            finite, go = _window.decide(totals, True, scales_loss)
-            trace, grad_sq = call(
-                lambda t: estimate_noise(state.values(), t), args=(totals,)
-            )
-            grads = call(
-                lambda t: prepared(_window.window_gradients(state.values(), t)),
-                args=(totals,),
-            )
-
-            def apply_on_each_replica():
-                call(
-                    _apply_gradients,
-                    args=(optimizer, grads, variables, none_grads),
-                )
-
-            tf.cond(go, apply_on_each_replica, _nothing)
-            call(finish_here, args=(totals, finite, go, trace, grad_sq))
-
-        tf.cond(flag, close_window, _nothing)
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(should_close,)
-    )
-
-
-# -- One-micro-batch windows (accum_steps=1) ----------------------------------
-
-
-def supports_direct_apply():
-    # Its conditional holds an optimizer apply: fine where the strategy
-    # needs no merge_call.
-    return (
-        not tf.distribute.has_strategy()
-        or tf.__internal__.distribute.strategy_supports_no_merge_call()
-    )
-
-
-def is_direct(state):
-    return tf.logical_and(
-        tf.equal(state.target_length.value, 1),
-        tf.equal(state.mini_step.value, 0),
-    )
-
-
-def apply_direct(
-    state,
-    optimizer,
-    variables,
-    grads,
-    none_grads,
-    normalizer,
-    loss,
-    samples,
-):
-    """Applies a one-micro-batch window straight from its gradient.
-
-    The same as accumulating and dividing, (g * n) / n, without the
-    accumulator traffic: what `accum_steps=1` costs a plain step is the
-    finiteness check and the published loss.
-    """
-    # What the accumulators would hold: an embedding's repeated rows
-    # summed (see `_true_gradient`). Checked after summing, so a sum that
-    # overflows is caught as the accumulated window's would be.
-    grads = [None if g is None else _true_gradient(g) for g in grads]
-    dense = [
-        g.values if isinstance(g, tf.IndexedSlices) else g
-        for g in grads
-        if g is not None
-    ]
-    local = tf.stack(
-        [
-            tf.cast(normalizer, ACC_DTYPE),
-            tf.cast(loss, ACC_DTYPE),
-            tf.cast(samples, ACC_DTYPE),
-            tf.cast(tf.logical_not(_window.all_finite(dense)), ACC_DTYPE),
+    def prepared(self, gradients) -> list:
+        """This replica's share of the window's gradient, as the optimizer
+        takes it."""
+        grads = [
+            tf.cast(g, v.dtype)
+            for g, v in zip(gradients, self.variables, strict=True)
         ]
-    )
-    totals = _all_reduce_sum(local)
-    finite, go = _window.decide(
-        totals, True, isinstance(optimizer, LossScaleOptimizer)
-    )
-    grads = [
-        tf.zeros_like(v) if g is None else g
-        for g, v in zip(grads, variables, strict=True)
-    ]
-    tf.cond(
-        go,
-        lambda: _apply_gradients(optimizer, grads, variables, none_grads),
-        _nothing,
-    )
-    window = state.values()
-    window = window.replace(
-        epoch_step=window["epoch_step"] + 1,
-        window_length=tf.ones((), window["window_length"].dtype),
-    )
-    # One micro-batch: no noise-scale estimate (it needs two).
-    nan = tf.constant(float("nan"), ACC_DTYPE)
-    window = _window.finish(
-        window,
-        totals,
-        finite,
-        True,
-        optimizer.iterations,
-        nan,
-        nan,
-        micro_steps=1,
-    )
-    state.write(window)
-    _run_hooks(state, go)
-    return None
+        grads = _clip_across_replicas(self.optimizer, grads)
+        # A variable the loss never reached gets `None`, as in a plain
+        # step: no momentum decay and no weight decay for it.
+        return [
+            None if none else g
+            for g, none in zip(grads, self.none_grads, strict=True)
+        ]
+
+    def applied(self, grads) -> None:
+        """The optimizer's apply of `prepared` gradients: one weight after
+        another in a graph step on one device (under a strategy Keras
+        updates each weight in cross-replica context, where the ordering
+        does not reach)."""
+        if self.xla or needs_merge_call():
+            self.optimizer.apply(grads, self.variables)
+            return
+        with _updates_one_at_a_time(self.optimizer):
+            self.optimizer.apply(grads, self.variables)
+
+    def read(self):
+        """The counters as `close` reads them here: their values."""
+        return self.state.read()
+
+    def write(self, counters, read) -> None:
+        """Assigns the counters `close` changed."""
+        self.state.write(counters, read)
+
+    def close_hooks(self, applied) -> None:
+        """Runs the window's close hooks for a window that closed."""
+        for hook in self.state.close_hooks:
+            hook(applied, tf.constant(True))
+
+
+class CrossReplicaOps(_window.WindowOps):
+    """`TensorFlowOps` seen from cross-replica context, where a close that
+    may call `merge_call` runs (`close_when`).
+
+    `close` there gets the counters as variables: each stage that reads
+    them runs on each replica (`each`), where a variable reads as that
+    replica's copy; the totals are reduced across replicas, and the update
+    runs on each replica under a conditional of this context. The counters
+    `close` returns are each replica's; `write` assigns them there.
+    """
+
+    def __init__(self, replica_ops, distribution):
+        self._replica = replica_ops
+        self._distribution = distribution
+
+    def add(self, grads, weight, starting, sampled, closing_divisor):
+        raise NotImplementedError("a micro-batch is added in replica context")
+
+    def all_finite(self):
+        return self._replica.all_finite()
+
+    def sum_of_squares(self):
+        return self._replica.sum_of_squares()
+
+    def gradients(self, divisor):
+        return self._replica.gradients(divisor)
+
+    def reduce_sum(self, value):
+        return self._distribution.reduce(
+            tf.distribute.ReduceOp.SUM, value, axis=None
+        )
+
+    def each(self, function, *args):
+        def on_each_replica(*args):
+            # A variable given as an argument reads as this replica's copy.
+            return function(*keras.tree.map_structure(_value_of, args))
+
+        return self._distribution.extended.call_for_each_replica(
+            on_each_replica, args=args
+        )
+
+    def apply(self, go, divisor):
+        replica = self._replica
+        # Each replica's share, made before the conditional, as the
+        # optimizer's update inside it takes them (its all-reduce fails
+        # under MultiWorkerMirroredStrategy otherwise).
+        grads = self.each(
+            lambda divisor: replica.prepared(replica.gradients(divisor)),
+            divisor,
+        )
+        tf.cond(go, lambda: self.each(replica.applied, grads), _nothing)
+        return replica.optimizer.iterations
+
+    def read(self):
+        # The variables: `each` reads them on each replica.
+        return self._replica.state.counters
+
+    def write(self, counters, read) -> None:
+        del read  # Each replica's counters are new.
+        self.each(self._replica.state.write_all, counters)
+
+    def close_hooks(self, applied) -> None:
+        self.each(self._replica.close_hooks, applied)
 
 
 # -- Helpers ------------------------------------------------------------------
@@ -428,58 +315,12 @@ def _nothing():
     return None
 
 
-def _divide(state, xla, divided_in_step):
-    """`_window.window_gradients`'s `divide` for this close."""
-    if divided_in_step:
-        return lambda accs, divisor: list(accs)
-    if xla:
-        # An assignment there costs XLA a copy of each accumulator
-        # (measured): new quotients, then.
-        return None
-    return _divide_in_place(state)
+def _call(function, *args):
+    function(*args)
 
 
-def _divide_in_place(state):
-    """`_window.window_gradients`'s `divide`, into the accumulators.
-
-    The optimizer then reads the accumulators themselves: a new quotient
-    per weight, alive until the apply, would cost another copy of the
-    weights (measured: the update's peak fell from about 1.8 to 1.0-1.2
-    times the weights' size above `Model(B)`'s). Not under XLA, where it
-    costs more than it saves (wide MLP: 1.0 without it, 2.2 with it).
-    The window's noise estimates and finiteness are read
-    before this, and a window's first micro-batch overwrites what is left.
-    """
-
-    def divide(accs, divisor):
-        del accs  # The variables are divided, not these reads.
-        grads = []
-        for acc in state.acc_grads:
-            acc.assign(acc.value / divisor)
-            grads.append(acc.value)
-        return grads
-
-    return divide
-
-
-def _run_hooks(state, applied):
-    for hook in state.close_hooks:
-        hook(applied, tf.constant(True))
-
-
-def _apply_gradients(
-    optimizer, grads, variables, none_grads, one_at_a_time=False
-):
-    # A variable the loss never reached gets `None`, as in a plain step:
-    # no momentum decay and no weight decay for it.
-    grads = [
-        None if none else g for g, none in zip(grads, none_grads, strict=True)
-    ]
-    if not one_at_a_time:
-        optimizer.apply(grads, variables)
-        return
-    with _updates_one_at_a_time(optimizer):
-        optimizer.apply(grads, variables)
+def _value_of(value):
+    return value.value if isinstance(value, keras.Variable) else value
 
 
 @contextlib.contextmanager
@@ -540,29 +381,6 @@ def _updates_one_at_a_time(optimizer):
                 object.__setattr__(each, "update_step", own)
 
 
-def _true_gradient(grad):
-    """`grad` with an `IndexedSlices`' repeated rows summed, still sparse.
-
-    An `Embedding`'s gradient holds one row per token occurrence. Keras's
-    TensorFlow optimizers (Adam, RMSprop, Adagrad, Ftrl, clipping, ...)
-    square or clip those rows before the repeats are summed, which is not
-    the gradient's square; with each row once, every Keras optimizer's
-    sparse update equals its dense one. Across several replicas the
-    optimizer's all-reduce concatenates the replicas' rows, repeating
-    them again, so there it becomes dense, as an accumulator is.
-    """
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        return tf.convert_to_tensor(grad)
-    indices, positions = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(
-        grad.values, positions, tf.shape(indices)[0]
-    )
-    return tf.IndexedSlices(values, indices, grad.dense_shape)
-
-
 def _clip_across_replicas(optimizer, grads):
     """Clips the window's whole gradient when replicas hold shares of it.
 
@@ -614,10 +432,3 @@ def _sum_of_squares(tensors, xla):
             tf.reduce_sum(tf.linalg.matvec(rows, tf.ones((width,), t.dtype)))
         )
     return tf.add_n(sums)
-
-
-def _all_reduce_sum(value):
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-        return value
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)

@@ -68,14 +68,8 @@ class TorchAccumTrainer(AccumTrainer):
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
 
         # Scale: the micro-batch's share of the window's loss.
-        if batch_size == 1:
-            # Under `torch.compile` (torch 2.13), a one-sample micro-batch's
-            # loss and its share traced into one graph came out without a
-            # gradient ("element 0 of tensors does not require grad"); a
-            # graph break between them avoids it. A no-op when eager.
-            torch._dynamo.graph_break()
-        objective, weight, normalizer, term = self._micro_batch_share(
-            loss, y, y_pred, sample_weight, batch_size, window_state
+        objective, share = self._micro_batch_share(
+            loss, y_pred, sample_weight, batch_size
         )
 
         if not self.trainable_weights:
@@ -99,99 +93,114 @@ class TorchAccumTrainer(AccumTrainer):
 
         # Apply: into the window, and the window once it is complete.
         with torch.no_grad():
-            window = _window.accumulate(
-                window_state.values(),
+            backend = self._torch_ops()
+            read = window_state.read()
+            counters, complete = _window.accumulate(
+                read,
+                backend,
                 gradients,
-                weight,
-                normalizer,
-                term,
-                batch_size,
-                self._scheduled_length(self.optimizer.iterations.value),
-                self._noise_scale_every,
-                add=_add_in_place,
+                share,
+                self._plan(self.optimizer.iterations.value),
             )
-            # Eager: the window closes only when it is complete, so the
-            # other micro-batches skip the close's passes over the
-            # accumulators (finiteness) and its ring writes.
-            complete = _window.is_complete(
-                window, self._partial_window == "apply"
-            )
+            # Eager: only a complete window closes, so the other
+            # micro-batches skip the close's passes over the accumulators
+            # (finiteness) and its ring writes.
             if bool(complete):
-                window = self._close(window, True)
-            window_state.write(window)
+                counters = self._close(counters, backend)
+            window_state.write(counters, read)
 
         # Metrics.
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _close(self, window, should_close):
-        window, applied = _window.close(
-            window,
-            should_close,
-            self._torch_update,
-            scales_loss=isinstance(
-                self.optimizer, keras.optimizers.LossScaleOptimizer
-            ),
-            noise_every=self._noise_scale_every,
-            loss_scale=self.optimizer.scale_loss(keras.ops.ones((), "float32")),
-            divide=_divide_in_place,
+    def _torch_ops(self):
+        variables = self.trainable_weights
+        none_grads = self._window_none_grads or [False] * len(variables)
+        return TorchOps(self._window, self.optimizer, variables, none_grads)
+
+    def _close(self, counters, backend):
+        loss_scale = self.optimizer.scale_loss(keras.ops.ones((), "float32"))
+        counters, applied = _window.close(
+            counters, backend, True, self._close_policy(loss_scale)
         )
         # After the update, as on TensorFlow (`AccumBatchNormalization`).
         for hook in self._window.close_hooks:
-            hook(applied, should_close)
-        return window
-
-    def _torch_update(self, go, gradients):
-        """`_window.close`'s update: in place, only where `go` holds."""
-        if bool(go):
-            variables = self.trainable_weights
-            none_grads = self._window_none_grads or [False] * len(variables)
-            grads = [
-                None if none else keras.ops.cast(g, v.dtype)
-                for g, v, none in zip(
-                    gradients(), variables, none_grads, strict=True
-                )
-            ]
-            self.optimizer.apply(grads, variables)
-        return self.optimizer.iterations.value
+            hook(applied, True)
+        return counters
 
     def _make_flush_function(self):
         window_state = self._window
 
         def flush():
             with torch.no_grad():
-                window = window_state.values()
-                if bool(window["mini_step"] > 0):
-                    window = self._close(window, True)
-                    window_state.write(window)
+                read = window_state.read()
+                if bool(read.mini_step > 0):
+                    counters = self._close(read, self._torch_ops())
+                    window_state.write(counters, read)
 
         return flush
 
 
-def _add_in_place(window, grads, weight, starting, measure):
-    """`_window.add_weighted`, writing into the accumulators.
+class TorchOps(_window.WindowOps):
+    """The accumulators and optimizer of PyTorch's eager step, in place.
 
-    The same rule (a window's first micro-batch overwrites, later ones
-    add), without the new tensors the functional form allocates per
-    accumulator and micro-batch.
+    Args:
+        state: The `WindowState`.
+        optimizer: The model's optimizer.
+        variables: The trainable variables, in the accumulators' order.
+        none_grads: For each variable, whether its gradient is None: it
+            gets None at the update too.
     """
-    accs = window["acc_grads"]
-    first = bool(starting)
-    squares = None if measure is None else keras.ops.zeros((), "float32")
-    for acc, grad in zip(accs, grads, strict=True):
-        grad = grad.to(acc.dtype)
-        if measure is not None and bool(measure):
-            squares = squares + torch.sum(torch.square(grad * weight))
-        if first:
-            torch.mul(grad, weight, out=acc)
-        else:
-            acc.addcmul_(grad, weight)
-    return accs, squares
 
+    def __init__(self, state, optimizer, variables, none_grads):
+        self._accs = [acc.value for acc in state.acc_grads]
+        self._optimizer = optimizer
+        self._variables = variables
+        self._none_grads = none_grads
 
-def _divide_in_place(accs, divisor):
-    """The window's gradient, divided in place: the optimizer gets the
-    accumulators themselves, so an update needs no second gradient-sized
-    buffer per weight. (A window's first micro-batch overwrites them.)"""
-    for acc in accs:
-        acc.div_(divisor)
-    return accs
+    def add(self, grads, weight, starting, sampled, closing_divisor):
+        del closing_divisor  # Divided in place at the close.
+        first = bool(starting)
+        measure = sampled is not None and bool(sampled)
+        squares = keras.ops.zeros((), "float32")
+        for acc, grad in zip(self._accs, grads, strict=True):
+            grad = grad.to(acc.dtype)
+            if weight is None and first:
+                acc.copy_(grad)
+            elif weight is None:
+                acc.add_(grad)
+            elif first:
+                torch.mul(grad, weight, out=acc)
+            else:
+                acc.addcmul_(grad, weight)
+            if measure:
+                value = grad if weight is None else grad * weight
+                squares = squares + torch.sum(torch.square(value))
+        return None if sampled is None else squares
+
+    def all_finite(self):
+        return _window.all_finite(self._accs)
+
+    def sum_of_squares(self):
+        return _window.sum_of_squares(self._accs)
+
+    def gradients(self, divisor):
+        # In place: the optimizer gets the accumulators themselves, so an
+        # update needs no second gradient-sized buffer per weight. (A
+        # window's first micro-batch overwrites them.)
+        for acc in self._accs:
+            acc.div_(divisor)
+        return self._accs
+
+    def apply(self, go, divisor):
+        if bool(go):
+            grads = [
+                None if none else keras.ops.cast(g, v.dtype)
+                for g, v, none in zip(
+                    self.gradients(divisor),
+                    self._variables,
+                    self._none_grads,
+                    strict=True,
+                )
+            ]
+            self._optimizer.apply(grads, self._variables)
+        return self._optimizer.iterations.value

@@ -13,26 +13,20 @@ the window at epoch boundaries.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import keras
 from keras import ops
 
-from keras_accum import _compat
+from keras_accum import _compat, _window
+from keras_accum import _normalizer as normalizers
 from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
-from keras_accum._window import (
-    COUNT_DTYPE,
-    WindowState,
-    next_window_length,
-)
+from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_log import read_int
 from keras_accum._window_saving import WindowRules
 from keras_accum.layers import AccumBatchNormalization
-
-_SUM_REDUCTIONS = ("sum", "none", None)
 
 
 class AccumTrainer:
@@ -109,7 +103,7 @@ class AccumTrainer:
         self._window_unbuilt = {
             id(layer) for layer in self._flatten_layers() if not layer.built
         }
-        self._window.steps_per_epoch.assign(self._steps_per_epoch)
+        self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
         self._window.load_rules = self._saved_window_rules
 
     def _create_window(self, length, close_hooks):
@@ -180,7 +174,7 @@ class AccumTrainer:
     def _assign_target_length(self):
         steps = self._steps_for_now()
         if self._window is not None and steps is not None:
-            self._window.target_length.assign(steps)
+            self._window.counters.target_length.assign(steps)
 
     def _flush(self):
         """Applies the open window outside the step."""
@@ -202,67 +196,86 @@ class AccumTrainer:
 
     # -- The micro-batch's share of the window --------------------------------
 
-    def _micro_batch_share(
-        self, loss, y, y_pred, sample_weight, batch_size, window
-    ):
+    def _micro_batch_share(self, loss, y_pred, sample_weight, batch_size):
         """What every backend's step differentiates and adds to the window.
 
+        A mean-reduced micro-batch counts as its normalizer (samples, loss
+        entries or sample-weight total) times its mean, which turns it back
+        into a sum; the window is divided by the total of those at apply
+        time: the mean over the window, not a mean of means. The factor is
+        folded into the objective, so that backpropagation makes the
+        weighted gradient (no pass over the gradients after it), except
+        under loss scaling (below).
+
         Returns:
-            `(objective, weight, normaliser, window loss term)`: the
-            micro-batch's share of the window's loss, loss-scaled for the
-            optimizer; the weight its gradient gets in the accumulators;
-            the normaliser it adds to the window's divisor; and its
-            weighted loss, float32, for the pseudo-batch loss.
+            `(objective, share)`: the micro-batch's share of the window's
+            loss, loss-scaled for the optimizer, to differentiate; and its
+            `_window.Share`.
         """
-        objective, weight, normalizer = self._window_objective(
-            loss, y, y_pred, sample_weight, batch_size, window
+        found = normalizers.reductions(self)
+        rule = normalizers.rule(found, len(keras.tree.flatten(y_pred)))
+        if len(set(found)) > 1:
+            shown = sorted(map(str, set(found)))
+            warnings.warn(
+                f"The losses use different reductions ({shown}); "
+                "AccumModel weights every micro-batch by its number of "
+                "samples, which equals large-batch training only when "
+                "micro-batches are full.",
+                stacklevel=2,
+            )
+        normalizer = normalizers.normalizer(
+            rule.kind, y_pred, sample_weight, batch_size
         )
-        term = ops.cast(ops.stop_gradient(objective), "float32") * weight
+        if normalizer is None:
+            objective = self._summed_objective(loss)
+            share = _window.Share(None, 0.0, _stopped(objective), batch_size)
+        else:
+            objective, share = self._averaged_objective(
+                loss, normalizer, batch_size
+            )
         if self.optimizer is not None:
             objective = self.optimizer.scale_loss(objective)
-        return objective, weight, normalizer, term
+        return objective, share
 
-    def _window_objective(self, loss, y, y_pred, sample_weight, batch_size, w):
-        """Returns (what to differentiate, its weight, its normaliser).
+    def _summed_objective(self, loss):
+        """A summed micro-batch loss: the micro-batch losses add up to the
+        window's, except that each carries the regularization once: it is
+        kept on the window's first micro-batch only."""
+        regularization = self._regularization_loss(loss.dtype)
+        later = ops.cast(self._window.counters.mini_step.value > 0, loss.dtype)
+        return loss - later * regularization
 
-        A mean-reduced micro-batch gradient is weighted by the entries the
-        loss averaged over, which turns it back into a sum, and the window
-        is divided by the total of those at apply time: the mean over the
-        window, not a mean of means. The weight is applied to the float32
-        gradient, not to the loss, so that backpropagation (float16 under
-        mixed precision) sees the magnitudes a plain step sees: at batch
-        `B`, or under a `LossScaleOptimizer` the large batch's.
-        """
-        reduction, normalizer = self._loss_normalizer(
-            y, y_pred, sample_weight, batch_size
-        )
-        if reduction in _SUM_REDUCTIONS:
-            # Summed micro-batch losses already add up to the window's,
-            # except that each carries the regularization once: keep it on
-            # the window's first micro-batch only.
-            regularization = self._regularization_loss(loss.dtype)
-            later = ops.cast(w.mini_step.value > 0, loss.dtype)
-            zero, one = ops.zeros((), "float32"), ops.ones((), "float32")
-            return loss - later * regularization, one, zero
+    def _averaged_objective(self, loss, normalizer, batch_size):
+        """A mean-reduced micro-batch loss, weighted by `normalizer`."""
+        mean = _compat.unscale_loss_for_distribution(loss)
+        if isinstance(normalizer, int):
+            # A static count (JAX's and PyTorch's shapes) multiplies as a
+            # constant. (Under `torch.compile` a loss times a tensor 1 came
+            # out without a gradient: torch 2.13.)
+            factor = float(normalizer)
+        else:
+            factor = ops.cast(normalizer, mean.dtype)
         normalizer = ops.cast(normalizer, "float32")
-        objective = _compat.unscale_loss_for_distribution(loss)
+        term = _stopped(mean) * normalizer
         if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return objective, normalizer, normalizer
-        # Under loss scaling, float16 backpropagation should carry the
-        # magnitudes of the large batch's, not of a micro-batch's: its
-        # mean divides each sample's gradient by the window's size, about
-        # `length` times the micro-batch's. Differentiating a mean over the
-        # micro-batch would overflow at a `length` times lower scale (the
-        # dynamic scale would then skip windows the large batch applies).
-        # The float32 weight gives the factor back.
-        length = self._window_length_for(w)
-        objective = objective / ops.cast(length, objective.dtype)
-        return objective, normalizer * ops.cast(length, "float32"), normalizer
+            share = _window.Share(None, normalizer, term, batch_size)
+            return mean * factor, share
+        # Under loss scaling float16 backpropagation must carry the large
+        # batch's magnitudes: a summed objective would overflow at scales
+        # the large batch applies. Its mean divides each sample's gradient
+        # by the window's size, about `length` times the micro-batch's; the
+        # float32 weight gives the factor back.
+        length = ops.cast(self._window_length_now(), mean.dtype)
+        weight = normalizer * ops.cast(length, "float32")
+        return mean / length, _window.Share(
+            weight, normalizer, term, batch_size
+        )
 
-    def _window_length_for(self, w):
+    def _window_length_now(self):
         """The length of the window this step's micro-batch belongs to."""
+        counters = self._window.read()
         scheduled = self._scheduled_length(self.optimizer.iterations)
-        return next_window_length(w.values(), scheduled)
+        return _window.next_window_length(counters, scheduled)
 
     def _regularization_loss(self, dtype):
         losses = [self._aggregate_additional_loss(v) for v in self.losses]
@@ -273,69 +286,33 @@ class AccumTrainer:
             total = ops.add(total, value)
         return ops.cast(total, dtype)
 
-    def _loss_normalizer(self, y, y_pred, sample_weight, batch_size):
-        """The reduction in use and the divisor it applied to this batch.
+    def _plan(self, updates) -> _window.Plan:
+        """How this step adds its micro-batch to the window."""
+        return _window.Plan(
+            scheduled=self._scheduled_length(updates),
+            noise_every=self._noise_scale_every,
+            close_at_epoch_end=self._partial_window == "apply",
+        )
 
-        Only proportionality across micro-batches matters: the window is
-        divided by the total of these.
-        """
-        compile_loss = self._compile_loss
-        flat_losses = getattr(compile_loss, "_flat_losses", None) or []
-        reductions = []
-        for entry in flat_losses:
-            reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
-            reductions.append(
-                "sum_over_batch_size" if reduction is None else reduction
-            )
-        if not reductions:
-            # A custom `compute_loss`: assume the usual mean over the batch.
-            return "sum_over_batch_size", batch_size
-        if len(set(reductions)) > 1:
-            warnings.warn(
-                "The losses use different reductions "
-                f"({sorted(set(map(str, reductions)))}); AccumModel weights "
-                "every micro-batch by its number of samples, which equals "
-                "large-batch training only when micro-batches are full.",
-                stacklevel=2,
-            )
-            return "sum_over_batch_size", batch_size
-        reduction = reductions[0]
-        if reduction in _SUM_REDUCTIONS:
-            return reduction, None
-        flat_pred = keras.tree.flatten(y_pred)
-        if len(flat_losses) != 1 or len(flat_pred) != 1:
-            # Several outputs share the batch: samples are the common unit.
-            return reduction, batch_size
-        pred = flat_pred[0]
-        mask = _compat.get_keras_mask(pred)
-        # Loss functions reduce the last axis; the entries left are what
-        # "sum_over_batch_size" divides by. Dimensions are ints where known
-        # and scalar tensors where dynamic (TensorFlow).
-        rank = ops.ndim(pred)
-        if rank is not None and rank > 1:
-            entries = math.prod(ops.shape(pred)[:-1])
-        else:
-            entries = batch_size
-        if reduction == "mean_with_sample_weight":
-            weight = _compat.apply_mask(
-                _single(sample_weight), mask, "float32", reduction
-            )
-            if weight is not None:
-                return reduction, ops.sum(ops.cast(weight, "float32"))
-            return reduction, entries
-        if mask is not None:
-            return reduction, ops.sum(ops.cast(mask, "float32"))
-        return reduction, entries
+    def _close_policy(self, loss_scale) -> _window.ClosePolicy:
+        """What closing a window does besides applying it; `loss_scale` is
+        the scale the window's gradients carry."""
+        return _window.ClosePolicy(
+            scales_loss=isinstance(
+                self.optimizer, keras.optimizers.LossScaleOptimizer
+            ),
+            noise_every=self._noise_scale_every,
+            loss_scale=loss_scale,
+        )
 
     def _saved_window_rules(self) -> WindowRules:
         """What a window loaded into this model may hold.
 
-        Read from the configuration, as `_loss_normalizer` computes the
-        normaliser in the step; where the configuration leaves the
-        normaliser open (a subclassed model's outputs, a layer that may
-        mask), the rule is the looser one that holds in every case. Called
-        before the compiled loss may be built (a `.keras` file loads its
-        weights right after compiling).
+        The step's own rule (`_normalizer.rule`), from the configuration:
+        where it leaves the normalizer open (a subclassed model's outputs,
+        a layer that may mask), the rule is the looser one that holds in
+        every case. Called before the compiled loss may be built (a
+        `.keras` file loads its weights right after compiling).
         """
         steps = self._accum_steps
         if isinstance(steps, dict):
@@ -343,56 +320,15 @@ class AccumTrainer:
         else:
             lengths = None if callable(steps) else (steps,)
         shown = getattr(steps, "__name__", None) if callable(steps) else None
-        rules = WindowRules(accum_steps=shown or repr(steps), lengths=lengths)
-        reductions = self._loss_reductions()
-        if not reductions or len(set(reductions)) > 1:
-            return rules._replace(normalizer="samples")
-        reduction = reductions[0]
-        if reduction in _SUM_REDUCTIONS:
-            return rules._replace(normalizer="zero")
-        if reduction == "mean_with_sample_weight":
-            return rules
         outputs = getattr(self, "outputs", None)
-        if outputs is not None and (len(reductions) != 1 or len(outputs) != 1):
-            return rules._replace(normalizer="samples")
-        maskable = any(
-            type(layer).compute_mask is not keras.layers.Layer.compute_mask
-            for layer in self._flatten_layers()
-            if not isinstance(layer, keras.Model)
+        entries, maskable = normalizers.static_entries(self)
+        rule = normalizers.rule(
+            normalizers.reductions(self),
+            None if outputs is None else len(outputs),
+            entries,
+            maskable,
         )
-        entries = None
-        if outputs is not None:
-            shape = tuple(outputs[0].shape)
-            dims = shape[1:-1] if len(shape) > 1 else ()
-            if all(isinstance(d, int) for d in dims):
-                entries = math.prod(dims)
-        kind = "entries" if entries is not None and not maskable else "counted"
-        return rules._replace(
-            normalizer=kind, entries=entries, maskable=maskable
-        )
-
-    def _loss_reductions(self) -> list:
-        """The compiled losses' reductions, one per loss.
-
-        From the built compiled loss where it is built, else from the
-        `loss` given to `compile` (Keras resolves names and functions to
-        losses with the default reduction).
-        """
-        compile_loss = getattr(self, "_compile_loss", None)
-        flat = getattr(compile_loss, "_flat_losses", None)
-        if flat is not None:
-            losses = [entry.loss for entry in flat]
-        else:
-            given = getattr(self, "loss", None)
-            losses = [] if given is None else keras.tree.flatten(given)
-            losses = [loss for loss in losses if loss is not None]
-        reductions = []
-        for loss in losses:
-            reduction = getattr(loss, "reduction", "sum_over_batch_size")
-            reductions.append(
-                "sum_over_batch_size" if reduction is None else reduction
-            )
-        return reductions
+        return WindowRules(shown or repr(steps), lengths, rule)
 
     # -- Schedules ------------------------------------------------------------
 
@@ -465,20 +401,20 @@ class AccumTrainer:
     def _set_steps_per_epoch(self, steps):
         self._steps_per_epoch = int(steps or 0)
         if self._window is not None:
-            self._window.steps_per_epoch.assign(self._steps_per_epoch)
+            self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
 
     def _start_epoch(self, epoch):
         self._epoch = epoch
         self._assign_target_length()
         if self._window is not None:
-            self._window.epoch.assign(epoch)
-            self._window.epoch_step.assign(0)
+            self._window.counters.epoch.assign(epoch)
+            self._window.counters.epoch_step.assign(0)
 
     def _end_epoch(self, epoch):
         # What a backup taken now belongs to: the start of the next epoch.
         if self._window is not None:
-            self._window.epoch.assign(epoch + 1)
-            self._window.epoch_step.assign(0)
+            self._window.counters.epoch.assign(epoch + 1)
+            self._window.counters.epoch_step.assign(0)
 
 
 def forward_layers(model) -> list:
@@ -501,11 +437,9 @@ def forward_layers(model) -> list:
     return found
 
 
-def _single(sample_weight):
-    if sample_weight is None:
-        return None
-    flat = keras.tree.flatten(sample_weight)
-    return flat[0] if len(flat) == 1 else None
+def _stopped(value):
+    """`value` as the window's loss term: float32, without gradient."""
+    return ops.cast(ops.stop_gradient(value), "float32")
 
 
 def _element_spec(iterator):

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from keras_accum._compat import KerasSaveable
+from keras_accum._normalizer import LossRule
 
 # Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...).
 SAVED_COUNTERS = (
@@ -40,9 +41,7 @@ SAVED_COUNTERS = (
 # The window's float32 totals (0 between windows) and integer counters.
 SAVED_TOTALS = SAVED_COUNTERS[:4]
 SAVED_INTS = SAVED_COUNTERS[4:]
-# Counters are int64 on TensorFlow and int32 on JAX and PyTorch: a file
-# from one backend holds the other's, and both must fit the smaller.
-SAVED_INT_DTYPES = ("int32", "int64")
+SAVED_INT_DTYPES = ("int32",)
 INT_MAX = 2**31 - 1
 # Float32 sums of whole numbers are exact below 2**24; above, a window's
 # two sums of the same counts may round differently.
@@ -62,31 +61,22 @@ class WindowRules(NamedTuple):
         accum_steps: The model's `accum_steps`, as messages show it.
         lengths: The lengths an open window may have: `accum_steps`, or
             its schedule's values; None for any (a callable schedule).
-        normalizer: How an open window's normaliser total relates to its
-            samples, as the model's loss computes it
-            (`AccumTrainer._loss_normalizer`): `"zero"` (sum reductions),
-            `"samples"` (one per sample), `"entries"` (`entries` per
-            sample, no mask), `"counted"` (a count of loss entries: at
-            least 0, at most `entries` per sample where known, and nonzero
-            with samples unless a layer can mask), or `"any"` (sample
-            weights, any sign).
-        entries: Loss entries per sample, None if not static.
-        maskable: Whether a layer can mask loss entries out.
+        rule: How an open window's normalizer total relates to its
+            samples: the loading model's `_normalizer.LossRule`, the one
+            its step computes normalizers by.
     """
 
     accum_steps: str = "?"
     lengths: tuple | None = None
-    normalizer: str = "any"
-    entries: int | None = None
-    maskable: bool = True
+    rule: LossRule = LossRule("weights")
 
 
 class SavedWindow(KerasSaveable):
     """The saving half of a backend's window state.
 
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
-    a variable for each name in `SAVED_COUNTERS`. The model sets
-    `load_rules`, a callable returning its `WindowRules`.
+    `counters`, with a variable for each name in `SAVED_COUNTERS`. The
+    model sets `load_rules`, a callable returning its `WindowRules`.
     """
 
     load_rules = None
@@ -107,7 +97,7 @@ class SavedWindow(KerasSaveable):
         for i, acc in enumerate(self.acc_grads):
             store[f"acc_grad_{i}"] = acc
         for name in SAVED_COUNTERS:
-            store[name] = getattr(self, name)
+            store[name] = getattr(self.counters, name)
 
     def load_own_variables(self, store):
         if not list(store.keys()):
@@ -122,7 +112,7 @@ class SavedWindow(KerasSaveable):
         for i, acc in enumerate(self.acc_grads):
             acc.assign(np.asarray(values[f"acc_grad_{i}"]))
         for name in SAVED_COUNTERS:
-            getattr(self, name).assign(values[name])
+            getattr(self.counters, name).assign(values[name])
         self.loaded_position = (
             int(values["epoch"]),
             int(values["epoch_step"]),
@@ -323,24 +313,24 @@ def _check_values(values, rules, where):
 
 
 def _check_normalizer(normalizer, samples, rules, fail):
-    kind = rules.normalizer
-    if kind == "any":
+    rule = rules.rule
+    if rule.kind == "weights":
         return
     why = f"acc_samples={samples:g}, {_describe(rules)}"
-    if kind == "zero":
+    if rule.kind == "zero":
         if normalizer != 0.0:
             fail("acc_normalizer", normalizer, "0", why, exact=True)
         return
-    if kind in ("samples", "entries"):
-        per_sample = 1 if kind == "samples" else rules.entries
+    if rule.kind in ("samples", "entries"):
+        per_sample = 1 if rule.kind == "samples" else rule.entries
         target = samples * per_sample
         if not math.isclose(normalizer, target, rel_tol=_COUNT_RTOL):
             fail("acc_normalizer", normalizer, f"{target:g}", why, exact=True)
         return
     # "counted": entries the loss averaged over, fewer where masked.
-    upper = math.inf if rules.entries is None else samples * rules.entries
+    upper = math.inf if rule.entries is None else samples * rule.entries
     lower = 0.0
-    if not rules.maskable and samples > 0:
+    if not rule.maskable and samples > 0:
         lower = math.nextafter(0.0, 1.0)
     if not (lower <= normalizer <= upper * (1 + _COUNT_RTOL)):
         allowed = f"{lower:g}..{upper:g}" if lower == 0 else f"(0, {upper:g}]"
@@ -348,17 +338,18 @@ def _check_normalizer(normalizer, samples, rules, fail):
 
 
 def _describe(rules):
-    """Why the normaliser has the range it has, for messages."""
+    """Why the normalizer has the range it has, for messages."""
+    rule = rules.rule
     return {
-        "zero": "the loss sums, so a window adds no normaliser",
-        "samples": "the normaliser counts samples",
+        "zero": "the loss sums, so a window adds no normalizer",
+        "samples": "the normalizer counts samples",
         "entries": (
-            f"the loss averages {rules.entries} "
-            f"{'entry' if rules.entries == 1 else 'entries'} per sample and "
+            f"the loss averages {rule.entries} "
+            f"{'entry' if rule.entries == 1 else 'entries'} per sample and "
             "no layer masks"
         ),
-        "counted": "the normaliser counts the entries the loss averages",
-    }[rules.normalizer] + f"; accum_steps={rules.accum_steps}"
+        "counted": "the normalizer counts the entries the loss averages",
+    }[rule.kind] + f"; accum_steps={rules.accum_steps}"
 
 
 def _show(value):

@@ -226,7 +226,9 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         window = self.model._window
-        self._read = 0 if window is None else read_int(window.log_count)
+        self._read = (
+            0 if window is None else read_int(window.counters.log_count)
+        )
         # Read the ring before it can wrap: a callback fires after at most
         # `steps_per_execution` steps, each closing at most one window.
         steps = self.model.accum_steps
@@ -323,7 +325,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         window = self.model._window
         if window is None:
             return
-        count = read_int(window.log_count)
+        count = read_int(window.counters.log_count)
         if count < self._read:  # The state was rebuilt by `compile()`.
             self._read = 0
         if count == self._read:
@@ -334,12 +336,12 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 f"PseudoBatchLogger missed {first - self._read} updates.",
                 stacklevel=2,
             )
-        losses = read_array(window.log_loss)
-        samples = read_array(window.log_samples)
-        steps = read_array(window.log_update)
-        micro = read_array(window.log_micro)
-        traces = read_array(window.log_trace)
-        grad_sqs = read_array(window.log_grad_sq)
+        losses = read_array(window.counters.log_loss)
+        samples = read_array(window.counters.log_samples)
+        steps = read_array(window.counters.log_update)
+        micro = read_array(window.counters.log_micro)
+        traces = read_array(window.counters.log_trace)
+        grad_sqs = read_array(window.counters.log_grad_sq)
         new = []
         for i in range(first, count):
             slot = i % LOG_CAPACITY

@@ -410,7 +410,7 @@ class AccumModel(_Trainer, keras.Model):
         """Micro-batches the open window (or else the last one) closes at."""
         if self._window is None:
             return self._steps_for_now() or 1
-        return read_int(self._window.window_length)
+        return read_int(self._window.counters.window_length)
 
     @property
     def partial_window(self) -> str:
@@ -431,7 +431,7 @@ class AccumModel(_Trainer, keras.Model):
         """Micro-batches in the window now open; 0 right after an update."""
         if self._window is None:
             return 0
-        return read_int(self._window.mini_step)
+        return read_int(self._window.counters.mini_step)
 
     @property
     def skipped_windows(self) -> int:
@@ -445,7 +445,7 @@ class AccumModel(_Trainer, keras.Model):
         """
         if self._window is None:
             return 0
-        return read_int(self._window.skipped_windows)
+        return read_int(self._window.counters.skipped_windows)
 
     @property
     def accumulators(self) -> list:

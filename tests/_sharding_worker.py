@@ -153,10 +153,7 @@ def main():
             accum.trainable_variables, accum.accumulators, strict=True
         )
     ]
-    counters = [
-        str(v.value.sharding.spec)
-        for v in accum._window.variables[len(accum.accumulators) :]
-    ]
+    counters = [str(v.value.sharding.spec) for v in accum._window.counters]
     memory, collectives = {}, {}
     for name, m, batch in (("plain", plain, B * K), ("accum", accum, B)):
         compiled = compiled_step(m, x, y, batch)

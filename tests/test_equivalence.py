@@ -100,13 +100,16 @@ def test_a_plain_model_that_rounds_coarsely_is_judged_by_float64(report_diff):
 def _weighting_error(monkeypatch):
     """A window that weights every micro-batch as a full one (8 samples):
     a mean of micro-batch means, wrong only for the short micro-batch."""
-    objective = AccumTrainer._window_objective
+    averaged = AccumTrainer._averaged_objective
 
-    def mean_of_means(self, *args):
-        loss, weight, normalizer = objective(self, *args)
-        return loss, ops.full_like(weight, float(B)), normalizer
+    def mean_of_means(self, loss, normalizer, batch_size):
+        objective, share = averaged(self, loss, normalizer, batch_size)
+        full = ops.cast(B, objective.dtype) / ops.cast(
+            normalizer, objective.dtype
+        )
+        return objective * full, share
 
-    monkeypatch.setattr(AccumTrainer, "_window_objective", mean_of_means)
+    monkeypatch.setattr(AccumTrainer, "_averaged_objective", mean_of_means)
 
 
 @pytest.mark.parametrize("rounding", [False, True], ids=["direct", "float64"])

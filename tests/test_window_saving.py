@@ -112,23 +112,23 @@ ISSUE_CASES = [
     # (entry, edit, what the message says)
     (
         "mini_step",
-        lambda g: _set(g, "mini_step", np.int64(-3)),
+        lambda g: _set(g, "mini_step", np.int32(-3)),
         r"entry `mini_step` = -3 is outside 0\.\.3 \(window_length=4, "
         r"accum_steps=4\)",
     ),
     (
         "mini_step",
-        lambda g: _set(g, "mini_step", np.int64(9)),
+        lambda g: _set(g, "mini_step", np.int32(9)),
         r"entry `mini_step` = 9 is outside 0\.\.3",
     ),
     (
         "mini_step",
-        lambda g: _set(g, "mini_step", np.int64(4)),
+        lambda g: _set(g, "mini_step", np.int32(4)),
         r"entry `mini_step` = 4 is outside 0\.\.3",
     ),
     (
         "window_length",
-        lambda g: _set(g, "window_length", np.int64(0)),
+        lambda g: _set(g, "window_length", np.int32(0)),
         r"entry `window_length` = 0 is outside 1\.\.",
     ),
     (
@@ -161,19 +161,19 @@ ISSUE_CASES = [
     ),
     (
         "skipped_windows",
-        lambda g: _set(g, "skipped_windows", np.int64(-5)),
+        lambda g: _set(g, "skipped_windows", np.int32(-5)),
         r"entry `skipped_windows` = -5 is outside 0\.\.",
     ),
     (
         "epoch",
-        lambda g: _set(g, "epoch", np.int64(-1)),
+        lambda g: _set(g, "epoch", np.int32(-1)),
         r"entry `epoch` = -1 is outside 0\.\.",
     ),
     (
         "mini_step",
         lambda g: _set(g, "mini_step", "2"),
         r"entry `mini_step` = '2'.* has dtype object; keras-accum saves it as "
-        r"int32 or int64",
+        r"int32",
     ),
     (
         "extra",
@@ -223,7 +223,7 @@ def test_damaged_keras_file_fails_naming_the_entry(
     path = _corrupted(
         directory / "base.keras",
         tmp_path / "m.keras",
-        lambda g: _set(g, "mini_step", np.int64(-3)),
+        lambda g: _set(g, "mini_step", np.int32(-3)),
     )
     message = r"`mini_step` = -3 is outside 0\.\.3"
     # Keras gathers the objects that failed to load into one error, with
@@ -243,7 +243,7 @@ def test_skip_mismatch_loads_the_weights_and_keeps_the_window(saved, tmp_path):
     path = _corrupted(
         directory / "base.weights.h5",
         tmp_path / "w.weights.h5",
-        lambda g: _set(g, "mini_step", np.int64(-3)),
+        lambda g: _set(g, "mini_step", np.int32(-3)),
     )
     model = _compiled(accum_mlp(K, seed=3))
     xb, yb = _batches()[0]
@@ -331,7 +331,9 @@ def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
         sw = None if weights is None else weights[part]
         model.train_on_batch(x[part], yb, sample_weight=sw)
     assert model.mini_step == 3
-    normalizer = float(keras.ops.convert_to_numpy(model._window.acc_normalizer))
+    normalizer = float(
+        keras.ops.convert_to_numpy(model._window.counters.acc_normalizer)
+    )
     expected = {
         "sum": 0.0,
         "negative_weights": -6.0,
@@ -342,7 +344,9 @@ def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
     restored = build()
     restored.load_weights(tmp_path / "m.weights.h5")
     assert restored.mini_step == 3
-    loaded = keras.ops.convert_to_numpy(restored._window.acc_normalizer)
+    loaded = keras.ops.convert_to_numpy(
+        restored._window.counters.acc_normalizer
+    )
     assert float(loaded) == expected
 
 
