@@ -8,6 +8,7 @@ one the test suite ran on (the newest in CI, the oldest in `.ci/compat`).
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 import keras
@@ -64,8 +65,8 @@ from keras.src.losses.loss import (  # noqa: E402
 )
 
 # `clone_model`'s helper that rebuilds a functional model: its code object
-# identifies the caller (`model._clone_source`), and None if a release
-# renames it (the clone tests then fail rather than settings dropping).
+# identifies the caller (`model_being_cloned`), and None if a release
+# renames it (tests/test_compat.py then fails rather than settings drop).
 from keras.src.models import cloning as _cloning  # noqa: E402
 
 # The functional model class and Keras's own test of whether a subclass's
@@ -76,6 +77,10 @@ from keras.src.models.functional import (  # noqa: E402
     Functional,
     functional_like_constructor,
 )
+
+# Keras's test of "called like `Model(inputs, outputs)`", which decides
+# when `keras.Model.__new__` makes a model functional.
+from keras.src.models.model import functional_init_arguments  # noqa: E402
 
 # What Keras's saver walks: a window state saves its own variables.
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
@@ -88,15 +93,18 @@ from keras.src.trainers.trainer import Trainer  # noqa: E402
 from keras.src.utils.naming import auto_name  # noqa: E402
 
 __all__ = [
-    "CLONE_FUNCTIONAL_CODE",
     "Functional",
     "KerasSaveable",
     "Trainer",
     "apply_mask",
     "auto_name",
+    "called_by_clone_model",
+    "functional_init_arguments",
     "functional_like_constructor",
     "get_keras_mask",
     "is_nnx_enabled",
+    "make_functional",
+    "model_being_cloned",
     "optimizer_strategy",
     "unscale_loss_for_distribution",
     "warn_if_untested",
@@ -105,6 +113,62 @@ __all__ = [
 CLONE_FUNCTIONAL_CODE = getattr(
     getattr(_cloning, "_clone_functional_model", None), "__code__", None
 )
+
+
+# -- Where Keras leaves no hook ----------------------------------------------
+
+
+def _clone_frame(depth: int):
+    """The frame of `_clone_functional_model` within `depth` callers of
+    the caller of the function that calls this, or None."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is CLONE_FUNCTIONAL_CODE:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def model_being_cloned():
+    """The model `keras.models.clone_model` is cloning, when a model's
+    `__init__` (or one it calls, up to two deep) runs for it; else None.
+
+    `_clone_functional_model` rebuilds a functional model as
+    `model.__class__(inputs, outputs, name=...)`: nothing in that call says
+    what the source model was, so an `AccumModel`'s settings would be lost.
+    """
+    frame = _clone_frame(depth=3)
+    return None if frame is None else frame.f_locals.get("model")
+
+
+def called_by_clone_model() -> bool:
+    """Whether the caller of the function that calls this is
+    `_clone_functional_model` (it runs the source model's graph)."""
+    return _clone_frame(depth=2) is not None
+
+
+def make_functional(cls, accum_cls, functional_cls):
+    """Makes `cls`, a subclass of `accum_cls`, functional, as Keras would.
+
+    Keras's `inject_functional_model_class` rewrites `__bases__` up to
+    `keras.Model`, which would rewrite `accum_cls` itself, for the whole
+    process. This stops one step earlier: `accum_cls` in `cls`'s chain of
+    bases becomes `functional_cls`, and neither of those two changes.
+    (Keras leaves no other way: a functional model must be an instance of
+    `Functional`.)
+    """
+    if cls is accum_cls:
+        return functional_cls
+    if not issubclass(cls, accum_cls) or issubclass(cls, Functional):
+        # Mixins and chains already functional stay as they are.
+        return cls
+    cls.__bases__ = tuple(
+        make_functional(base, accum_cls, functional_cls)
+        for base in cls.__bases__
+    )
+    return cls
 
 
 def optimizer_strategy(optimizer):
@@ -121,20 +185,45 @@ except ImportError:  # Keras before 3.11 has no Flax NNX mode.
         return False
 
 
-# -- Private members of public Keras objects ----------------------------------
-# Read or overridden where Keras has no public hook; the same from Keras
-# 3.10 to 3.15:
-# - `Model._flatten_layers()`, `_call_has_training_arg`, `_loss_tracker`,
-#   `_compute_loss`, `_aggregate_additional_loss`, `_compile_loss`
-#   (`_flat_losses`, each `.loss.reduction`), `_compile_metrics`: the
-#   train step as Keras's own, and the loss's reduction per micro-batch.
-# - `Trainer._maybe_symbolic_build`, `_symbolic_build`: the window is
-#   created before the step is traced.
-# - `Optimizer._clip_gradients`: clipping the window's sum across replicas.
-# - TensorFlow: `TFEpochIterator._distributed_dataset` (the element spec
-#   without copying in-memory data), `strategy.extended
-#   ._in_multi_worker_mode()`.
-# - JAX: `_get_jax_state`, `_get_state_sharding_spec`, `jax_state_sync`,
-#   `_jax_state`, `_jax_state_synced`, `_losses_override`: the window's
-#   values ride in the trainer's state.
-# - PyTorch: `Variable.value.grad` (the backward pass's gradients).
+# -- Private members of public objects ----------------------------------------
+# Read, set or overridden where Keras (or TensorFlow) has no public hook;
+# the same from Keras 3.10 to 3.15. tests/test_compat.py checks that the
+# package uses exactly these (and the `keras.src` imports above).
+PRIVATE_MEMBERS = {
+    # The train step as Keras's own, and the loss's reduction.
+    "_call_has_training_arg": "Model: whether `call` takes `training`",
+    "_compute_loss": "Trainer: the loss of a batch, as Keras reports it",
+    "_loss_tracker": "Trainer: the running mean `logs['loss']`",
+    "_aggregate_additional_loss": "Trainer: a regularization loss's value",
+    "_compile_loss": "Trainer: the compiled loss (its `_flat_losses`)",
+    "_flat_losses": "CompileLoss: each loss, for its `reduction`",
+    "_compile_metrics": "Trainer: whether the compiled metrics are built",
+    "_update_metrics_variables": "JAXTrainer: the step's metric updates",
+    "_flatten_layers": "Layer: every sublayer",
+    "_moments": "BatchNormalization: a batch's mean and variance",
+    "_reduction_axes": "BatchNormalization: the axes it normalizes over",
+    "_keras_history": "KerasTensor: the layer that made an input",
+    "_layout": "Variable: its layout under a `keras.distribution`",
+    "_value": "Variable: its backing value (JAX frees it for the step)",
+    "_obj_type": "KerasSaveable: which objects the saver walks into",
+    "_clip_gradients": "Optimizer: clipping the window's sum across replicas",
+    "_distribution_strategy": "TF optimizer: the strategy it was made in",
+    # The window is created before the step is traced, and travels in it.
+    "_maybe_symbolic_build": "Trainer: builds the model before `fit`",
+    "_symbolic_build": "Trainer: the same, from a data spec",
+    "_get_jax_state": "JAXTrainer: the state handed to the step",
+    "_get_state_sharding_spec": "JAXTrainer: the state's shardings",
+    "_jax_state": "JAXTrainer: the state between steps",
+    "_jax_state_synced": "JAXTrainer: whether that state is attached",
+    "_losses_override": "Layer: the forward pass's losses, in JAX's step",
+    "_run_through_graph": "Functional: what `clone_model` runs on a model",
+    "_clone_functional_model": "cloning: where `clone_model` builds a copy",
+    "_initial_epoch": "Trainer: where `fit` starts, set by BackupAndRestore",
+    "_weights_path": "BackupAndRestore: its weights file, for messages",
+    "_training_metadata_path": "BackupAndRestore: its metadata file",
+    # TensorFlow.
+    "_distributed_dataset": "TFEpochIterator: the dataset it distributes",
+    "_original_dataset": "DistributedDataset: the dataset it wraps",
+    "_in_multi_worker_mode": "StrategyExtended: several workers",
+    "__internal__": "tf.__internal__: strategy_supports_no_merge_call",
+}

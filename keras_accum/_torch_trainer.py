@@ -152,17 +152,17 @@ class TorchOps(_window.WindowOps):
     """
 
     def __init__(self, state, optimizer, variables, none_grads):
-        self._accs = [acc.value for acc in state.acc_grads]
-        self._optimizer = optimizer
-        self._variables = variables
-        self._none_grads = none_grads
+        self.accumulators = [acc.value for acc in state.acc_grads]
+        self.optimizer = optimizer
+        self.variables = variables
+        self.none_grads = none_grads
 
     def add(self, grads, weight, starting, sampled, closing_divisor):
         del closing_divisor  # Divided in place at the close.
         first = bool(starting)
         measure = sampled is not None and bool(sampled)
         squares = keras.ops.zeros((), "float32")
-        for acc, grad in zip(self._accs, grads, strict=True):
+        for acc, grad in zip(self.accumulators, grads, strict=True):
             grad = grad.to(acc.dtype)
             if weight is None and first:
                 acc.copy_(grad)
@@ -178,18 +178,18 @@ class TorchOps(_window.WindowOps):
         return None if sampled is None else squares
 
     def all_finite(self):
-        return _window.all_finite(self._accs)
+        return _window.all_finite(self.accumulators)
 
     def sum_of_squares(self):
-        return _window.sum_of_squares(self._accs)
+        return _window.sum_of_squares(self.accumulators)
 
     def gradients(self, divisor):
         # In place: the optimizer gets the accumulators themselves, so an
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
-        for acc in self._accs:
+        for acc in self.accumulators:
             acc.div_(divisor)
-        return self._accs
+        return self.accumulators
 
     def apply(self, go, divisor):
         if bool(go):
@@ -197,10 +197,10 @@ class TorchOps(_window.WindowOps):
                 None if none else keras.ops.cast(g, v.dtype)
                 for g, v, none in zip(
                     self.gradients(divisor),
-                    self._variables,
-                    self._none_grads,
+                    self.variables,
+                    self.none_grads,
                     strict=True,
                 )
             ]
-            self._optimizer.apply(grads, self._variables)
-        return self._optimizer.iterations.value
+            self.optimizer.apply(grads, self.variables)
+        return self.optimizer.iterations.value

@@ -10,7 +10,8 @@ Keras chooses its own: `_tf_trainer.py`, `_jax_trainer.py` or
 
 from __future__ import annotations
 
-import sys
+import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,14 @@ from typing import Any
 import keras
 
 from keras_accum._compat import (
-    CLONE_FUNCTIONAL_CODE,
     Functional,
     Trainer,
     auto_name,
+    called_by_clone_model,
+    functional_init_arguments,
     functional_like_constructor,
+    make_functional,
+    model_being_cloned,
 )
 from keras_accum._files import replaced_whole
 from keras_accum._schedules import (
@@ -61,54 +65,6 @@ else:
 # An int, a schedule by epoch `{epoch: steps}`, or a callable of the update
 # count.
 AccumSteps = int | dict | Callable
-
-
-def _functional_init_arguments(args, kwargs) -> bool:
-    # Keras's own test for "called like `Model(inputs, outputs)`".
-    return (
-        len(args) == 2
-        or (len(args) == 1 and "outputs" in kwargs)
-        or ("inputs" in kwargs and "outputs" in kwargs)
-    )
-
-
-def _inject_functional_accum_class(cls):
-    """Makes the user's subclass `cls` functional, as Keras would.
-
-    Keras's `inject_functional_model_class` rewrites `__bases__` up to
-    `keras.Model`, which here would rewrite `AccumModel` itself, for the
-    whole process. This stops one step earlier: `AccumModel` in the user's
-    class chain becomes `_FunctionalAccumModel`, and neither class is
-    touched.
-    """
-    if cls is AccumModel:
-        return _FunctionalAccumModel
-    if not issubclass(cls, AccumModel) or issubclass(cls, Functional):
-        # Mixins and chains already functional stay as they are.
-        return cls
-    cls.__bases__ = tuple(
-        _inject_functional_accum_class(base) for base in cls.__bases__
-    )
-    return cls
-
-
-def _cloning_caller(frame) -> bool:
-    # `keras.models.clone_model` rebuilds a functional model inside
-    # `_clone_functional_model`, as `model.__class__(inputs, outputs,
-    # name=...)`: nothing in that call says what the source model was.
-    return frame is not None and frame.f_code is CLONE_FUNCTIONAL_CODE
-
-
-def _clone_source(kwargs):
-    """The `AccumModel` that `clone_model` is cloning, when it is
-    `clone_model` that calls `AccumModel.__new__`, which calls this."""
-    if "accum_steps" in kwargs or "partial_window" in kwargs:
-        return None
-    frame = sys._getframe(2)
-    if not _cloning_caller(frame):
-        return None
-    source = frame.f_locals.get("model")
-    return source if isinstance(source, AccumModel) else None
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -249,21 +205,9 @@ class AccumModel(_Trainer, keras.Model):
         # subclass's bases in place; that would turn every later subclass
         # of `AccumModel` functional too. A fixed functional subclass
         # avoids it.
-        if cls is AccumModel and _functional_init_arguments(args, kwargs):
+        if cls is AccumModel and functional_init_arguments(args, kwargs):
             return keras.Model.__new__(_FunctionalAccumModel)
-        instance = super().__new__(cls, *args, **kwargs)
-        source = _clone_source(kwargs)
-        if source is not None:
-            # `clone_model` passes only `(inputs, outputs, name)`; without
-            # this the clone would train with `accum_steps=1`. Read (and
-            # dropped) by `__init__`; Keras's attribute tracking is not
-            # needed for it.
-            object.__setattr__(
-                instance,
-                "_cloned_settings",
-                (source._accum_steps, source._partial_window),
-            )
-        return instance
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(
         self,
@@ -272,18 +216,23 @@ class AccumModel(_Trainer, keras.Model):
         partial_window: str = "apply",
         **kwargs: Any,
     ) -> None:
-        cloned = self.__dict__.pop("_cloned_settings", None)
-        if cloned is not None:
-            accum_steps, partial_window = cloned
+        source = model_being_cloned()
+        if isinstance(source, AccumModel):
+            # `clone_model` passes only `(inputs, outputs, name)`: without
+            # this the clone would train with `accum_steps=1`.
+            accum_steps, partial_window = (
+                source._accum_steps,
+                source._partial_window,
+            )
         accum_steps = check_accum_schedule(accum_steps)
         partial_window = check_partial_window(partial_window)
-        if not isinstance(self, Functional) and _functional_init_arguments(
+        if not isinstance(self, Functional) and functional_init_arguments(
             args, kwargs
         ):
             # A user subclass called with `(inputs, outputs)`, e.g. one that
             # builds its graph in `__init__`: made functional here, so that
             # `keras.Model.__init__` never rewrites `AccumModel`'s bases.
-            _inject_functional_accum_class(type(self))
+            make_functional(type(self), AccumModel, _FunctionalAccumModel)
         if isinstance(self, Functional):
             if (
                 kwargs.get("name") is None
@@ -574,21 +523,15 @@ class AccumModel(_Trainer, keras.Model):
                 # Only for this load, even one Keras gave up on.
                 self._window._checked_file = False
 
-    def fit(
-        self,
-        x: Any = None,
-        y: Any = None,
-        batch_size: int | None = None,
-        epochs: int = 1,
-        verbose: Any = "auto",
-        callbacks: Any = None,
-        **kwargs: Any,
-    ):
-        epoch_callback = WindowEpochs(self)
+    def fit(self, *args: Any, **kwargs: Any):
+        arguments = inspect.signature(keras.Model.fit).bind(
+            self, *args, **kwargs
+        )
+        given = arguments.arguments.get("callbacks")
         listed = (
-            callbacks.callbacks
-            if isinstance(callbacks, keras.callbacks.CallbackList)
-            else callbacks or []
+            given.callbacks
+            if isinstance(given, keras.callbacks.CallbackList)
+            else list(given or [])
         )
         # Estimated in the step only while a callback asks for it, as
         # often as the most frequent asker wants.
@@ -602,27 +545,18 @@ class AccumModel(_Trainer, keras.Model):
                 default=0,
             )
         )
-        resume_callback = WindowResume(self, listed)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            epoch_callback.set_loggers(callbacks.callbacks)
-            callbacks.callbacks.insert(0, epoch_callback)
-            callbacks.callbacks.append(resume_callback)
-            epoch_callback.set_model(self)
-            resume_callback.set_model(self)
-        else:
-            epoch_callback.set_loggers(callbacks or [])
-            # First, so that epoch-end callbacks see the applied window;
-            # last, what reads the backups the others restored.
-            callbacks = [epoch_callback, *(callbacks or []), resume_callback]
-        return super().fit(
-            x=x,
-            y=y,
-            batch_size=batch_size,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=callbacks,
-            **kwargs,
-        )
+        epoch_callback = WindowEpochs(self)
+        epoch_callback.set_loggers(listed)
+        # First, so that epoch-end callbacks see the applied window; last,
+        # what reads the backups the others restored.
+        ours = [epoch_callback, *listed, WindowResume(self, listed)]
+        if isinstance(given, keras.callbacks.CallbackList):
+            # A list of the caller's own, not the caller's list changed.
+            ours = keras.callbacks.CallbackList(
+                ours, model=self, **given.params
+            )
+        arguments.arguments["callbacks"] = ours
+        return super().fit(*arguments.args[1:], **arguments.kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any):
         if kwargs.get("_use_cached_eval_dataset") and (
@@ -665,12 +599,10 @@ class _FunctionalAccumModel(AccumModel, Functional):
     """
 
     def _run_through_graph(self, *args, **kwargs):
-        # Runs on every forward pass of a functional model: only a frame
-        # check unless `clone_model` is the caller.
+        # Runs on every forward pass of a functional model; only a class
+        # whose constructor `clone_model` cannot call checks its caller.
         cls = type(self)
-        if _cloning_caller(sys._getframe(1)) and not (
-            functional_like_constructor(cls)
-        ):
+        if not _takes_inputs_and_outputs(cls) and called_by_clone_model():
             # Keras would go on to return a plain `Functional`, which trains
             # without accumulation: fail rather than diverge silently.
             raise TypeError(
@@ -683,6 +615,11 @@ class _FunctionalAccumModel(AccumModel, Functional):
                 "weights, as `clone_model` gives)."
             )
         return super()._run_through_graph(*args, **kwargs)
+
+
+@functools.cache
+def _takes_inputs_and_outputs(cls) -> bool:
+    return functional_like_constructor(cls)
 
 
 def _serializes_itself(model) -> bool:
@@ -739,20 +676,14 @@ class _WrappedAccumModel(AccumModel):
 
 
 # What files call the classes. `.keras` files look a class up by its
-# registered name ("keras_accum>_FunctionalAccumModel", unchanged, so files
-# from every release load) and show its `__name__` as `class_name`. Loading
-# without `import keras_accum` then fails with Keras's "Could not locate
-# class 'keras_accum.AccumModel' ... make sure [custom classes] are all
-# imported", which names the package to import. The legacy H5 format looks
-# classes up by `class_name` alone, hence the extra entries: the names this
-# release writes and those the earlier ones wrote.
+# registered name ("keras_accum>_FunctionalAccumModel") and show its
+# `__name__` as `class_name`. Loading without `import keras_accum` then fails
+# with Keras's "Could not locate class 'keras_accum.AccumModel' ... make sure
+# [custom classes] are all imported", which names the package to import.
+# The legacy H5 format looks classes up by `class_name` alone, hence the
+# entries by those names.
 _FunctionalAccumModel.__name__ = "keras_accum.AccumModel"
 _WrappedAccumModel.__name__ = "keras_accum.AccumModel.from_model"
-for _cls, _earlier in (
-    (AccumModel, "AccumModel"),
-    (_FunctionalAccumModel, "_FunctionalAccumModel"),
-    (_WrappedAccumModel, "_WrappedAccumModel"),
-):
-    for _name in (_cls.__name__, _earlier):
-        keras.saving.get_custom_objects().setdefault(_name, _cls)
-del _cls, _earlier, _name
+for _cls in (_FunctionalAccumModel, _WrappedAccumModel):
+    keras.saving.get_custom_objects().setdefault(_cls.__name__, _cls)
+del _cls

@@ -207,3 +207,27 @@ def test_tensorboard_scalars_per_update(tmp_path):
     events = tensorboard_scalars(tmp_path, "pseudo_batch_loss")
     assert events == [(u.update, pytest.approx(u.loss)) for u in logger.updates]
     assert len(events) == 4
+
+
+def test_a_callback_list_of_the_callers_own_is_left_as_it_was():
+    """Before: `fit` inserted its epoch callback into a `CallbackList` the
+    caller passed, and never took it out (one more per `fit`)."""
+    x, y = regression_data(n=64)
+    model = accum_mlp(K)
+    model.compile(optimizer="sgd", loss="mse")
+    seen = []
+    spy = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(model.mini_step)
+    )
+    history = keras.callbacks.History()
+    callbacks = keras.callbacks.CallbackList(
+        [spy, history], model=model, epochs=1, steps=8, verbose=0
+    )
+    before = list(callbacks.callbacks)
+    for _ in range(2):
+        model.fit(x, y, batch_size=B, verbose=0, callbacks=callbacks)
+    assert callbacks.callbacks == before
+    assert int(model.optimizer.iterations) == 4
+    # The caller's callbacks ran, after the window closed at each epoch end.
+    assert seen == [0, 0]
+    assert len(history.history["loss"]) == 2

@@ -83,3 +83,104 @@ def test_pyproject_declares_the_range_the_package_checks():
         f"{_compat.NEWEST_TESTED[0]}.{_compat.NEWEST_TESTED[1] + 1}"
     )
     assert _compat.TESTED_RANGE == f"keras>={oldest},<{newest_excluded}"
+
+
+# Python's own, not Keras's: `sys._getframe`, `NamedTuple._fields` and
+# `_replace`.
+_STANDARD_LIBRARY = {"_getframe", "_fields", "_replace"}
+
+
+def _private_names_in_the_package():
+    """`(read, defined)`: the private attribute names the package reads,
+    and those it assigns or defines (functions, classes, methods)."""
+    import ast
+
+    read, defined = set(), set()
+    for path in sorted((ROOT / "keras_accum").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                target = defined if isinstance(node.ctx, ast.Store) else read
+                target.add(node.attr)
+            elif isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                read.add(node.args[1].value)
+
+    def private(name):
+        dunder = name.startswith("__") and name.endswith("__")
+        return name.startswith("_") and (name == "__internal__" or not dunder)
+
+    return {n for n in read if private(n)}, {n for n in defined if private(n)}
+
+
+def _keras_names():
+    """Every attribute name of the Keras objects the package builds on, on
+    all three backends' trainers."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="adam", loss="mse")
+    objects = [
+        model,
+        TensorFlowTrainer,
+        JAXTrainer,
+        TorchTrainer,
+        keras.layers.BatchNormalization(),
+        keras.callbacks.BackupAndRestore("backup"),
+        keras.Variable(1.0),
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+    ]
+    return set().union(*(dir(o) for o in objects))
+
+
+@pytest.mark.tensorflow_only(
+    reason="reads the package's source; imports every backend's trainer"
+)
+def test_the_private_members_used_are_those_compat_lists():
+    read, defined = _private_names_in_the_package()
+    # Read and never defined here, or defined here over Keras's own.
+    used = (read - defined - _STANDARD_LIBRARY) | (defined & _keras_names())
+    assert used == set(_compat.PRIVATE_MEMBERS), (
+        f"not listed in _compat.PRIVATE_MEMBERS: "
+        f"{sorted(used - set(_compat.PRIVATE_MEMBERS))}; listed, not used: "
+        f"{sorted(set(_compat.PRIVATE_MEMBERS) - used)}"
+    )
+
+
+def test_every_keras_src_import_is_in_compat():
+    for path in sorted((ROOT / "keras_accum").glob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        imports = re.findall(
+            r"^\s*(?:from|import) keras\.src", path.read_text(), re.M
+        )
+        assert not imports, path.name
+
+
+def test_the_keras_hooks_the_package_relies_on_are_there():
+    # Each fails when a Keras release moves what the package reaches into,
+    # rather than a setting dropping silently (see `_compat`).
+    assert _compat.CLONE_FUNCTIONAL_CODE is not None
+    assert _compat.functional_init_arguments((1, 2), {})
+    assert not _compat.functional_init_arguments((1,), {})
+
+    # Keras still makes a subclass functional by rewriting its bases, which
+    # `make_functional` does for `AccumModel` subclasses instead.
+    class Sub(keras.Model):
+        pass
+
+    inputs = keras.Input((2,))
+    Sub(inputs, keras.layers.Dense(1)(inputs))
+    assert issubclass(Sub, _compat.Functional)

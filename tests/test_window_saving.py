@@ -3,7 +3,6 @@ fails naming the entry, its value and the file, before anything is
 assigned; every window training can produce loads; legacy `.h5` files; a
 load without `import keras_accum`."""
 
-import json
 import os
 import shutil
 import warnings
@@ -581,26 +580,3 @@ def test_loading_without_the_package_names_it(tmp_path):
         assert outcome["error"] == "TypeError"
         assert f"Could not locate class '{name}'" in outcome["message"]
         assert "make sure they are all imported" in outcome["message"]
-
-
-def test_files_with_the_earlier_class_names_load(tmp_path):
-    # The class names files of the first development releases carry.
-    x, y = regression_data(n=24)
-    model = _compiled(accum_mlp(K, partial_window="carry"))
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    model.save(tmp_path / "new.keras")
-    with zipfile.ZipFile(tmp_path / "new.keras") as archive:
-        members = {n: archive.read(n) for n in archive.namelist()}
-    config = json.loads(members["config.json"])
-    assert config["class_name"] == "keras_accum.AccumModel"
-    assert config["registered_name"] == "keras_accum>_FunctionalAccumModel"
-    config["class_name"] = "_FunctionalAccumModel"
-    members["config.json"] = json.dumps(config).encode()
-    with zipfile.ZipFile(tmp_path / "earlier.keras", "w") as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    restored = keras.saving.load_model(tmp_path / "earlier.keras")
-    assert type(restored) is type(model)
-    assert restored.mini_step == model.mini_step == 3
-    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
