@@ -1,8 +1,8 @@
 """What estimating the gradient noise scale costs, measured in pairs.
 
-`bench_throughput.py --noise-scale` times the variants in rounds, but its
-ratio of two medians carries this machine's round-to-round spread (±10%),
-too coarse for a 2% question. Here each round times the variants back to
+Timing the variants in rounds, as `bench_throughput.py` does, gives a
+ratio of two medians that carries a shared machine's round-to-round
+spread, too coarse for a 2% question. Here each round times the variants back to
 back, in rotating order, and keeps each one's ratio to the reference; the
 median of many such paired ratios cancels the slow drifts that a shared
 machine has:

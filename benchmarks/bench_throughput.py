@@ -126,9 +126,8 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
             wall, cpu = time_fit(model, ds, steps)
             times.append((wall / (steps * batch), cpu / (steps * batch)))
     # On a GPU the wall clock is the cost. On a shared CPU machine it is
-    # not: the hypervisor stalls the process in coarse slices (seen here as
-    # wall times in multiples of ~1.27 s), so compare the CPU time the
-    # process used; it counts work, not waiting.
+    # not: the hypervisor stalls the process in coarse slices, so compare
+    # the CPU time the process used; it counts work, not waiting.
     which = 0 if tf.config.list_physical_devices("GPU") else 1
     rows = []
     limit = statistics.median(t[which] for t in configs[("plain", 1)][4])
