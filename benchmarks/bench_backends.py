@@ -103,7 +103,7 @@ def worker(args):
     print("RESULTS " + json.dumps(rows), flush=True)
 
 
-def main():
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="tensorflow,jax,torch")
     parser.add_argument("--models", default="mlp,cnn")
@@ -115,34 +115,40 @@ def main():
         "--out", default=str(ROOT / "benchmarks/results/backends.json")
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def _run_worker(args, backend):
+    """One backend's rows, from a worker process of its own."""
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": backend,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+    }
+    command = [sys.executable, __file__, "--worker", backend]
+    for option in ("models", "ks", "micro_batch", "rounds"):
+        command.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
+    command.append(f"--samples-per-run={args.samples_per_run}")
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, check=False
+    )
+    line = next(
+        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
+        None,
+    )
+    if result.returncode != 0 or line is None:
+        sys.exit(f"{backend} worker failed:\n{result.stderr[-3000:]}")
+    return json.loads(line[len("RESULTS ") :])
+
+
+def main():
+    args = _parser().parse_args()
     if args.worker:
         return worker(args)
-
     rows = []
     for backend in args.backends.split(","):
-        env = {
-            **os.environ,
-            "KERAS_BACKEND": backend,
-            "TF_CPP_MIN_LOG_LEVEL": "3",
-            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-        }
-        command = [sys.executable, __file__, "--worker", backend]
-        for option in ("models", "ks", "micro_batch", "rounds"):
-            command.append(
-                f"--{option.replace('_', '-')}={getattr(args, option)}"
-            )
-        command.append(f"--samples-per-run={args.samples_per_run}")
-        result = subprocess.run(
-            command, env=env, capture_output=True, text=True, check=False
-        )
-        line = next(
-            (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
-            None,
-        )
-        if result.returncode != 0 or line is None:
-            sys.exit(f"{backend} worker failed:\n{result.stderr[-3000:]}")
-        rows.extend(json.loads(line[len("RESULTS ") :]))
+        rows.extend(_run_worker(args, backend))
 
     import keras
 

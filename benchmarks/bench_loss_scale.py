@@ -152,7 +152,7 @@ def _fmt(row):
     return f"{row['relative_error']:.1e}"
 
 
-def main():
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="tensorflow,jax,torch")
     parser.add_argument(
@@ -165,30 +165,30 @@ def main():
     )
     parser.add_argument("--dynamic-updates", type=int, default=DYNAMIC_UPDATES)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    scales = [int(s) for s in args.scales.split(",")]
-    if args.worker:
-        return worker(scales, args.dynamic_updates)
-    results = {}
-    for backend in args.backends.split(","):
-        env = {**os.environ, "KERAS_BACKEND": backend}
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                f"--scales={args.scales}",
-                f"--dynamic-updates={args.dynamic_updates}",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        results[backend] = json.loads(out.strip().splitlines()[-1])
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return parser
 
+
+def _run_worker(args, backend):
+    """One backend's results, from a worker process of its own."""
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"--scales={args.scales}",
+            f"--dynamic-updates={args.dynamic_updates}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _print_one_update(results, scales):
     print("One update, fixed scale: relative error of the applied gradient")
     print("against float32 (or skipped on overflow).\n")
     header = "| log2 scale |" + "".join(
@@ -203,7 +203,10 @@ def main():
             for r in results.values()
         )
         print(f"| {s} |{cells}")
-    print(f"\nDynamic scale, {args.dynamic_updates} windows, growth every 4:")
+
+
+def _print_dynamic(results, scales, updates):
+    print(f"\nDynamic scale, {updates} windows, growth every 4:")
     print("skipped updates, final log2 scale (B·k / AccumModel), max diff.\n")
     print("| log2 scale |" + "".join(f" {b} |" for b in results))
     print("|---:|" + "---|" * len(results))
@@ -218,6 +221,20 @@ def main():
                 f"{accum['max_weight_diff']:.0e} |"
             )
         print(f"| {s} |{cells}")
+
+
+def main():
+    args = _parser().parse_args()
+    scales = [int(s) for s in args.scales.split(",")]
+    if args.worker:
+        return worker(scales, args.dynamic_updates)
+    results = {
+        backend: _run_worker(args, backend)
+        for backend in args.backends.split(",")
+    }
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    _print_one_update(results, scales)
+    _print_dynamic(results, scales, args.dynamic_updates)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What estimating the gradient noise scale costs, measured in pairs.
 
-`bench_throughput.py --noise-scale` times the variants in rounds, but its
-ratio of two medians carries this machine's round-to-round spread (±10%),
-too coarse for a 2% question. Here each round times the variants back to
+Timing the variants in rounds, as `bench_throughput.py` does, gives a
+ratio of two medians that carries a shared machine's round-to-round
+spread, too coarse for a 2% question. Here each round times the variants back to
 back, in rotating order, and keeps each one's ratio to the reference; the
 median of many such paired ratios cancels the slow drifts that a shared
 machine has:
@@ -48,7 +48,11 @@ def _quartiles(values):
     return float(q1), float(q2), float(q3)
 
 
-def run_setting(model_name, micro_batch, k, jit, everies, rounds, samples):
+def run_setting(args, model_name, k, jit):
+    """Each `--every` and the control against the reference, in pairs."""
+    everies = [int(e) for e in args.every.split(",")]
+    micro_batch, rounds = args.micro_batch, args.rounds
+    samples = args.samples_per_run
     x, y = bt.data(model_name, samples + micro_batch)
     steps = max(k, samples // micro_batch // k * k)
     ds = bt.dataset(x, y, micro_batch)
@@ -96,7 +100,7 @@ def run_setting(model_name, micro_batch, k, jit, everies, rounds, samples):
     return rows
 
 
-def main(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,cnn,transformer")
     parser.add_argument("--ks", default="4,16")
@@ -109,38 +113,25 @@ def main(argv=None):
         "--out",
         default=str(bt.ROOT / "benchmarks/results/noise_overhead.json"),
     )
-    args = parser.parse_args(argv)
-    rows = []
-    for model_name in args.models.split(","):
-        for jit in [j == "on" for j in args.jit.split(",")]:
-            for k in [int(k) for k in args.ks.split(",")]:
-                started = time.perf_counter()
-                new = run_setting(
-                    model_name,
-                    args.micro_batch,
-                    k,
-                    jit,
-                    [int(e) for e in args.every.split(",")],
-                    args.rounds,
-                    args.samples_per_run,
-                )
-                rows += new
-                print(
-                    f"{model_name} jit={'on' if jit else 'off'} k={k}: "
-                    f"{time.perf_counter() - started:.0f}s",
-                    flush=True,
-                )
-                for row in new:
-                    every = row["noise_scale_every"]
-                    label = f"every={every}" if every else "control"
-                    print(
-                        f"  {label:<9} "
-                        f"ratio to reference {row['ratio_median']:.4f} "
-                        f"(quartiles {row['ratio_q1']:.4f}-"
-                        f"{row['ratio_q3']:.4f})",
-                        flush=True,
-                    )
-                keras.backend.clear_session()
+    return parser
+
+
+def _print_setting(label, started, rows):
+    print(f"{label}: {time.perf_counter() - started:.0f}s", flush=True)
+    for row in rows:
+        every = row["noise_scale_every"]
+        name = f"every={every}" if every else "control"
+        print(
+            f"  {name:<9} "
+            f"ratio to reference {row['ratio_median']:.4f} "
+            f"(quartiles {row['ratio_q1']:.4f}-"
+            f"{row['ratio_q3']:.4f})",
+            flush=True,
+        )
+
+
+def _median_over_settings(rows):
+    """Each `noise_scale_every`'s median ratio over the settings."""
     summary = {}
     for every in sorted({row["noise_scale_every"] for row in rows}):
         medians = [
@@ -154,6 +145,22 @@ def main(argv=None):
             f"{label}: median over settings {summary[str(every)]:.4f}"
             f" (range {min(medians):.4f}-{max(medians):.4f})"
         )
+    return summary
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    rows = []
+    for model_name in args.models.split(","):
+        for jit in [j == "on" for j in args.jit.split(",")]:
+            for k in [int(k) for k in args.ks.split(",")]:
+                started = time.perf_counter()
+                new = run_setting(args, model_name, k, jit)
+                rows += new
+                label = f"{model_name} jit={'on' if jit else 'off'} k={k}"
+                _print_setting(label, started, new)
+                keras.backend.clear_session()
+    summary = _median_over_settings(rows)
     result = {
         "machine": bt.machine(),
         "rounds": args.rounds,

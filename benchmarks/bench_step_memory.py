@@ -72,7 +72,8 @@ def _variants(models):
     for name in models:
         build, features = _models()[name]
         x, y = _data(features)
-        # Both built before either is measured, as the figures were taken.
+        # Both built before either is measured: an allocator's peak depends
+        # on what was allocated and freed before (docs/benchmarks.md).
         pair = (
             ("plain", build(keras.Model)),
             ("accum", build(keras_accum.AccumModel, accum_steps=K)),

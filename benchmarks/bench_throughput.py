@@ -100,7 +100,10 @@ def variants(k, include_large):
             yield "large", k
 
 
-def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
+def run_setting(args, model_name, jit, spe):
+    """Every variant and k of `--ks` in one setting, timed in rounds."""
+    ks = [int(k) for k in args.ks.split(",")]
+    micro_batch, samples_per_run = args.micro_batch, args.samples_per_run
     x, y = data(model_name, samples_per_run * max(ks) // 4 + micro_batch)
     configs = {}
     for k in ks:
@@ -121,14 +124,13 @@ def run_setting(model_name, micro_batch, ks, jit, spe, rounds, samples_per_run):
             # Trace, compile, warm caches.
             time_fit(model, ds, steps)
             configs[key] = (model, ds, steps, batch, [])
-    for _ in range(rounds):
+    for _ in range(args.rounds):
         for model, ds, steps, batch, times in configs.values():
             wall, cpu = time_fit(model, ds, steps)
             times.append((wall / (steps * batch), cpu / (steps * batch)))
     # On a GPU the wall clock is the cost. On a shared CPU machine it is
-    # not: the hypervisor stalls the process in coarse slices (seen here as
-    # wall times in multiples of ~1.27 s), so compare the CPU time the
-    # process used; it counts work, not waiting.
+    # not: the hypervisor stalls the process in coarse slices, so compare
+    # the CPU time the process used; it counts work, not waiting.
     which = 0 if tf.config.list_physical_devices("GPU") else 1
     rows = []
     limit = statistics.median(t[which] for t in configs[("plain", 1)][4])
@@ -176,7 +178,7 @@ def machine():
     }
 
 
-def main(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,cnn,transformer")
     parser.add_argument("--ks", default="1,4,16,64")
@@ -190,28 +192,22 @@ def main(argv=None):
         "--out", default=str(ROOT / "benchmarks/results/throughput.json")
     )
     parser.add_argument("--write-docs", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     if args.quick:
         args.ks, args.spe, args.rounds = "1,16", "1", 3
-    models = args.models.split(",")
-    ks = [int(k) for k in args.ks.split(",")]
     jits = [j == "on" for j in args.jit.split(",")]
     spes = [int(s) for s in args.spe.split(",")]
 
     rows = []
-    for model_name in models:
+    for model_name in args.models.split(","):
         for jit in jits:
             for spe in spes:
                 started = time.perf_counter()
-                new = run_setting(
-                    model_name,
-                    args.micro_batch,
-                    ks,
-                    jit,
-                    spe,
-                    args.rounds,
-                    args.samples_per_run,
-                )
+                new = run_setting(args, model_name, jit, spe)
                 rows += new
                 print(
                     f"{model_name} jit={'on' if jit else 'off'} spe={spe}: "

@@ -6,12 +6,13 @@
 # Installs the wheels in .whl/ (Keras and what it needs beyond the machine's
 # packages) into /tmp/site, then, for each backend and each copy of the
 # package (`new`: this working tree; `baseline`: .gpu/baseline, an older
-# keras_accum), runs `bench_memory.py --device=gpu` (wide MLP and CNN, every
-# variant in fresh processes, REPEATS runs each, median; the CNN
-# dataset-size sweep on `new` only). The four run side by side: each
-# process reads its own allocator, so they do not disturb each other's
-# figures. Writes $OUT/gpu_memory_<backend>_<new|baseline>.json, the table
-# $OUT/gpu_memory.txt and the log $OUT/log.txt; nothing else goes to $OUT.
+# keras_accum), runs `bench_gpu_memory.py` (wide MLP and CNN, every variant
+# in fresh processes, REPEATS runs each, median; the CNN dataset-size sweep
+# on `new` only). The four run side by side: each process reads its own
+# allocator, so they do not disturb each other's figures. Writes
+# $OUT/gpu_memory_<backend>.json (`new`, the file benchmarks/results/ keeps)
+# and $OUT/gpu_memory_<backend>_baseline.json, the table $OUT/gpu_memory.txt
+# and the log $OUT/log.txt; nothing else goes to $OUT.
 #
 #     OUT=/tmp/gpuout benchmarks/gpu_memory.sh
 #
@@ -27,7 +28,7 @@
 # torch"), ROOTS ("new baseline"), MODELS (wide_mlp,cnn), JOBS_NEW (4) and
 # JOBS_BASELINE (2) processes at once, NEW_CONFIGS (all of CONFIGS),
 # BASELINE_CONFIGS (the variants that use keras_accum, and Model(B) beside
-# them), SWEEP (1; 0: no sweep), EXTRA (more bench_memory.py arguments).
+# them), SWEEP (1; 0: no sweep), EXTRA (more bench_gpu_memory.py arguments).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
@@ -77,15 +78,17 @@ EOF
 
 # One backend and one copy of the package: its JSON, its lines prefixed.
 run_one() {
-    local backend=$1 root=$2 dir jobs left args=()
+    local backend=$1 root=$2 dir jobs left out args=()
     if [ "$root" = new ]; then
         dir=$ROOT
         jobs=$JOBS_NEW
+        out=$OUT/gpu_memory_${backend}.json
         [ "$SWEEP" = 1 ] && args+=(--with-sweep)
         [ -n "$NEW_CONFIGS" ] && args+=("--configs=$NEW_CONFIGS")
     else
         dir=$ROOT/.gpu/baseline
         jobs=$JOBS_BASELINE
+        out=$OUT/gpu_memory_${backend}_baseline.json
         args+=("--configs=$BASELINE_CONFIGS")
     fi
     if [ ! -d "$dir/keras_accum" ]; then
@@ -99,10 +102,9 @@ run_one() {
     left=$((DEADLINE - $(date +%s)))
     # --budget-s stops starting runs in time; `timeout` is the backstop.
     # shellcheck disable=SC2086  # EXTRA: several arguments
-    timeout -k 10 $((left + 60)) "$PY" benchmarks/bench_memory.py \
-        --device=gpu --backend="$backend" --models="$MODELS" \
-        --repeats="$REPEATS" --jobs="$jobs" --budget-s="$left" \
-        "${args[@]}" --out="$OUT/gpu_memory_${backend}_${root}.json" $EXTRA
+    timeout -k 10 $((left + 60)) "$PY" benchmarks/bench_gpu_memory.py \
+        --backend="$backend" --models="$MODELS" --repeats="$REPEATS" \
+        --jobs="$jobs" --budget-s="$left" "${args[@]}" --out="$out" $EXTRA
 }
 
 main() {

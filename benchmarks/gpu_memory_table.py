@@ -1,8 +1,8 @@
-"""A text table of `bench_memory.py --device=gpu` results.
+"""A text table of `bench_gpu_memory.py` results.
 
-Reads DIR/gpu_memory_<backend>_<root>.json (root: `new`, the working tree,
-or `baseline`, an older copy of keras_accum) as `benchmarks/gpu_memory.sh`
-writes them, and writes DIR/gpu_memory.txt:
+Reads DIR/gpu_memory_<backend>.json (`new`: the working tree) and
+DIR/gpu_memory_<backend>_baseline.json (an older copy of keras_accum), as
+`benchmarks/gpu_memory.sh` writes them, and writes DIR/gpu_memory.txt:
 
 - per backend and root, each variant's allocator growth in MiB: `state`
   (what the first `fit` left allocated: optimizer slots, accumulators),
@@ -14,6 +14,7 @@ writes them, and writes DIR/gpu_memory.txt:
 - the dataset-size sweep of the CNN (`fit` on in-memory arrays).
 
     python benchmarks/gpu_memory_table.py DIR
+    python benchmarks/gpu_memory_table.py benchmarks/results
 """
 
 from __future__ import annotations
@@ -125,11 +126,17 @@ def _compare(new, baseline):
     return lines
 
 
+def _backend_root(path):
+    """gpu_memory_jax.json: ("jax", "new"); ..._jax_baseline: "baseline"."""
+    backend, _, root = path.stem.removeprefix("gpu_memory_").partition("_")
+    return backend, root or "new"
+
+
 def table(directory):
     directory = Path(directory)
     reports = {}
-    for path in sorted(directory.glob("gpu_memory_*_*.json")):
-        backend, root = path.stem.split("_")[-2:]
+    for path in sorted(directory.glob("gpu_memory_*.json")):
+        backend, root = _backend_root(path)
         try:
             reports[backend, root] = json.loads(path.read_text())
         except json.JSONDecodeError as error:

@@ -189,7 +189,7 @@ def write_docs(root: Path):
     sweeps = [
         json.loads(path.read_text())
         for name in ("", "_jax", "_torch")
-        if (path := results / f"memory_sweep{name}.json").exists()
+        if (path := results / f"data_memory{name}.json").exists()
     ]
     if sweeps:
         parts += [

@@ -89,28 +89,44 @@ def test_backends_script_smoke(tmp_path):
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
 
 
-def _memory_child(backend, *args):
-    """What one measured process of `bench_memory.py` reports."""
-    result = _script("bench_memory.py", *args, env={"KERAS_BACKEND": backend})
+# A measured process's arguments: the CNN as AccumModel(2, 4), one window.
+_CNN_ACCUM_4 = ("--steps=1", "--child", "cnn", "accum", "4", "2")
+
+
+def _memory_child(script, backend, *args):
+    """What one measured process of `benchmarks/<script>` reports."""
+    result = _script(script, *args, env={"KERAS_BACKEND": backend})
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_memory_child_on_torch_smoke():
     # One measured process of `bench_memory.py --backend=torch`.
-    row = _memory_child(
-        "torch", "--steps=1", "--child", "cnn", "accum", "4", "2"
-    )
+    row = _memory_child("bench_memory.py", "torch", *_CNN_ACCUM_4)
     assert row["device"] == "CPU"
     assert row["peak_bytes"] > 0
     assert row["param_bytes"] == 455464  # The CNN's float32 weights.
     assert "tensor_peak_bytes" not in row  # TensorFlow's allocator only.
 
 
-def test_memory_sweep_child_smoke():
-    # One measured process of `bench_memory.py --sweep`: fit on arrays.
-    row = _memory_child("tensorflow", "--sweep-child", "accum", "64")
+def test_data_memory_child_smoke():
+    # One measured process of `bench_data_memory.py`: fit on arrays.
+    row = _memory_child(
+        "bench_data_memory.py", "tensorflow", "--child", "accum", "64"
+    )
     assert row["data_bytes"] == 64 * 64 * 64 * 3 * 4 + 64 * 4
     assert row["peak_bytes"] > 0
+
+
+def test_gpu_memory_child_on_torch_smoke():
+    # One measured process of `bench_gpu_memory.py`, GPU or not.
+    row = _memory_child("bench_gpu_memory.py", "torch", *_CNN_ACCUM_4)
+    assert row["param_bytes"] == 455464
+    measures = [row[name] for name in ("peak_bytes", "state_bytes")]
+    if row["device"].startswith("CPU (no GPU"):
+        assert measures == [None, None] and row["raw"] is None
+    else:
+        assert all(value >= 0 for value in measures)
+        assert row["total_peak_bytes"] > 0
 
 
 def test_loss_scale_script_smoke(tmp_path):

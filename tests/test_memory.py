@@ -25,7 +25,7 @@ def pipelines_built(monkeypatch):
 
     Each one serialises the arrays into its graph: a transient copy of the
     whole training data (measured: `AccumModel` +392 MiB over plain Keras
-    for 192 MiB of images before the fix, in `bench_memory.py`'s sweep).
+    for 192 MiB of images before the fix, in `bench_data_memory.py`).
     The count wraps Keras's own method, which still runs.
     """
     calls = []
@@ -77,8 +77,8 @@ def test_fit_on_arrays_builds_no_second_pipeline(pipelines_built):
 # where the figures are deterministic: JAX's compiled step (XLA's buffer
 # assignment), TensorFlow's allocator events (graph step) and allocator
 # peak (XLA). PyTorch's CPU allocator gives no such figure;
-# `benchmarks/bench_memory.py` measures it (and every backend on a GPU,
-# docs/benchmarks.md).
+# `benchmarks/bench_memory.py` measures it (and `bench_gpu_memory.py` JAX
+# and PyTorch on a GPU, docs/benchmarks.md).
 
 
 def _wide_mlp(model_cls, **kwargs):
