@@ -11,8 +11,8 @@ once per backend, after tests/:
 - A block that includes code (`--8<-- "examples/x.py:section"`) runs what
   the site shows: the include is expanded by pymdownx.snippets with
   mkdocs.yml's settings first.
-- A block that starts with `>>>` is a doctest (ELLIPSIS on): its printed
-  output is checked.
+- A block that starts with `>>>` is a doctest (ELLIPSIS and
+  NORMALIZE_WHITESPACE on): its printed output is checked.
 - A page marks code that runs on one backend only with Sybil's skip
   directive in an HTML comment, which the site does not show, and says so
   in its text:
@@ -78,7 +78,10 @@ def _sybil(kind):
         by `evaluate`."""
 
         def __init__(self, evaluate):
-            super().__init__(doctest_optionflags=doctest.ELLIPSIS)
+            super().__init__(
+                doctest_optionflags=doctest.ELLIPSIS
+                | doctest.NORMALIZE_WHITESPACE
+            )
             self.codeblock_parser = CodeBlockParser("python", evaluate)
 
     if kind == "pages":
