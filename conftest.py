@@ -56,8 +56,22 @@ def _is_documentation(path):
     )
 
 
+def _requested(config, path):
+    """Whether `path` is one of the run's paths (given, or `testpaths`)
+    or lies under one. pytest also offers the files beside the path
+    of a run like `pytest tests/test_model.py` (README.md)."""
+    path = Path(path).resolve()
+    for arg in config.args:
+        target = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == target or target in path.parents:
+            return True
+    return False
+
+
 def pytest_collect_file(file_path, parent):
     if not _is_documentation(file_path):
+        return None
+    if not _requested(parent.config, file_path):
         return None
     kind = "docstrings" if file_path.suffix == ".py" else "pages"
     if kind not in _collectors:
