@@ -13,14 +13,20 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+# --8<-- [start:setup]
 import tensorflow as tf
 
 if not tf.config.list_physical_devices("GPU"):
-    # Before TensorFlow starts: two logical CPU devices stand in for GPUs.
+    # Two logical CPU devices stand in for GPUs. Only possible before
+    # TensorFlow starts: in a process that already ran TensorFlow (a
+    # notebook), the strategy gets the one CPU device instead.
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:
+        pass
 
 import keras
 import numpy as np
@@ -41,12 +47,15 @@ def build(model_cls, **kwargs):
     return model
 
 
+# --8<-- [end:setup]
+
+
 def main():
+    # --8<-- [start:mirrored]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 20)).astype("float32")
     y = rng.integers(0, 4, size=2000)
 
-    # --8<-- [start:mirrored]
     devices = tf.config.list_logical_devices(
         "GPU"
     ) or tf.config.list_logical_devices("CPU")

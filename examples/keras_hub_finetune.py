@@ -19,6 +19,7 @@ model, replace the configuration by
 """
 
 import argparse
+import math
 import os
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,6 +55,7 @@ import numpy as np  # noqa: E402
 
 import keras_accum  # noqa: E402
 
+# --8<-- [start:data]
 POSITIVE = ["good", "great", "fine", "lovely", "superb", "fun"]
 NEGATIVE = ["bad", "awful", "dull", "poor", "boring", "weak"]
 NEUTRAL = ["the", "a", "film", "movie", "plot", "cast", "was", "is", "and"]
@@ -80,6 +82,7 @@ def reviews(n, seed=0):
     return texts, np.array(labels, "int32")
 
 
+# --8<-- [end:data]
 # --8<-- [start:task]
 def bert_classifier():
     """A small BERT text classifier from a configuration (random weights)."""
@@ -109,10 +112,14 @@ def bert_classifier():
 
 # --8<-- [start:layout]
 def model_parallel():
-    """A 2 x 4 mesh: batches split over `batch`, BERT's heads, feed-forward
-    kernels and token embedding over `model` (Megatron-style)."""
+    """Batches split over `batch`, BERT's heads, feed-forward kernels and
+    token embedding over `model` (Megatron-style): a 2 x 4 mesh on 8
+    devices, 1 x 2 on 2."""
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
+    model_axis = math.gcd(len(devices), 4)  # Splits BERT's 4 heads evenly.
+    mesh = keras.distribution.DeviceMesh(
+        (len(devices) // model_axis, model_axis), ["batch", "model"], devices
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["token_embedding/embeddings"] = (None, "model")
     layout_map[".*(query|key|value)/kernel"] = (None, "model", None)
@@ -128,6 +135,7 @@ def model_parallel():
 # --8<-- [end:layout]
 
 
+# --8<-- [start:compile]
 def compile_like_the_task(model):
     # What `BertTextClassifier.compile()` sets by default (Adam 5e-5,
     # sparse cross-entropy from logits, accuracy), with SGD: Adam on an
@@ -139,13 +147,17 @@ def compile_like_the_task(model):
     )
 
 
+# --8<-- [end:compile]
+
+
 def main():
     if args.distribute:
         keras.distribution.set_distribution(model_parallel())
     micro_batch, accum_steps = args.micro_batch, args.accum_steps
-    texts, labels = reviews(micro_batch * accum_steps * 4)
+    epochs = args.epochs
 
     # --8<-- [start:convert]
+    texts, labels = reviews(micro_batch * accum_steps * 4)
     task = bert_classifier()
     # The task's preprocessor tokenizes raw strings; `from_model` keeps the
     # computation only, so tokenize once (or in a tf.data pipeline).
@@ -158,7 +170,7 @@ def main():
         x,
         labels,
         batch_size=micro_batch,
-        epochs=args.epochs,
+        epochs=epochs,
         shuffle=False,
         verbose=2,
     )
@@ -175,7 +187,7 @@ def main():
         texts,
         labels,
         batch_size=micro_batch * accum_steps,
-        epochs=args.epochs,
+        epochs=epochs,
         shuffle=False,
         verbose=0,
     )

@@ -13,13 +13,15 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+# --8<-- [start:data]
 import keras
 import numpy as np
 
 import keras_accum
 
 
-def make_data(n=4000, features=32, classes=5, seed=0):
+def make_data(n=2048, features=32, classes=5, seed=0):
+    """Synthetic classification data: features and labels 0-4."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype("float32")
     w = rng.normal(size=(features, classes))
@@ -27,6 +29,7 @@ def make_data(n=4000, features=32, classes=5, seed=0):
     return x, y
 
 
+# --8<-- [end:data]
 # --8<-- [start:build]
 def build(model_cls, **kwargs):
     keras.utils.set_random_seed(42)  # Same initial weights for both runs.
@@ -46,9 +49,8 @@ def build(model_cls, **kwargs):
 
 
 def main():
-    x, y = make_data()
-
     # --8<-- [start:accum]
+    x, y = make_data()
     model = build(keras_accum.AccumModel, accum_steps=8)
     # 32 samples per step, one Adam update per 8 steps: batch 256.
     model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=2)

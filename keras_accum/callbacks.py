@@ -81,18 +81,21 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     otherwise.
 
     The per-update series is kept in `updates`, a list of `PseudoBatch`
-    `(update, loss, samples)`, across epochs and `fit` calls. With
+    `(update, loss, samples, micro_batches, trace, grad_sq)`, across epochs
+    and `fit` calls. With
     `log_dir`, each update's loss is also written as the TensorBoard scalar
     `pseudo_batch_loss` at step `update`.
 
     Gradient noise scale (`noise_scale=True`): every window holds
     `accum_steps` micro-batch gradients and their mean, which is what the
     simple noise scale B_simple = tr(Σ) / |G|² of McCandlish et al. (2018),
-    "An Empirical Model of Large-Batch Training", needs. Each window gives
+    "An Empirical Model of Large-Batch Training", needs. Each sampled
+    window (every `noise_scale_every`-th, by default every fourth) gives
     unbiased estimates of tr(Σ) and |G|² (from the squared gradient norms
     at the micro-batch and at the window size: one extra reduction per
     micro-batch, no extra gradient buffer); the callback smooths each with
-    an exponential moving average over updates (`smoothing`) and divides.
+    an exponential moving average over those windows (`smoothing`) and
+    divides.
     B_simple estimates the critical batch size, past which larger batches
     stop paying for themselves. Epoch logs then also get:
 
@@ -122,9 +125,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         smoothing: Float in [0, 1). Decay of the moving averages of the
             noise-scale estimates, per estimate. Defaults to `0.95`.
         noise_scale_every: Integer >= 1. Estimate the noise scale in every
-            `noise_scale_every`-th update's window (updates 0, n, 2n, ...
-            of those in `updates`); the others cost nothing and carry NaN.
-            `1` estimates in every window. Defaults to `4`.
+            `noise_scale_every`-th window (windows 0, n, 2n, ... counted
+            from 0 since `compile()`: for a logger there from the first
+            `fit`, `updates[0]`, `updates[n]`, ..., whose `update` is 1,
+            n + 1, ...); the others cost nothing and carry NaN. `1`
+            estimates in every window. Defaults to `4`.
 
     Raises:
         TypeError: If `log_dir` is not a path or `None`, `noise_scale` is
@@ -132,7 +137,8 @@ class PseudoBatchLogger(keras.callbacks.Callback):
             `AccumModel`.
         ValueError: If `smoothing` is outside [0, 1) or
             `noise_scale_every` is not an integer >= 1.
-        ImportError: If `log_dir` is given and `tensorboard` is missing.
+        ImportError: If `log_dir` is given and `tensorboard` or
+            `tensorflow` is missing (it writes with `tf.summary`).
 
     Example:
 

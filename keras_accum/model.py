@@ -289,7 +289,7 @@ class AccumModel(_Trainer, keras.Model):
 
         Raises:
             TypeError: If `model` is not a `keras.Model` or `accum_steps` is
-                not an integer.
+                not an integer (a bool included), a dict or a callable.
             ValueError: If `model` is not built, or `accum_steps` or
                 `partial_window` is out of range.
 

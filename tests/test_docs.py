@@ -12,7 +12,8 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 pytestmark = pytest.mark.tensorflow_only(
-    reason="the documentation's code is TensorFlow's; the site is built once"
+    reason="the site is built once, in the TensorFlow run (the pages' code "
+    "blocks run on every backend: conftest.py)"
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ def run_example(name, *args, timeout=600, backend=None):
 def test_quickstart_matches_large_batch():
     result = run_example("quickstart.py")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "optimizer updates: accumulated 48, large batch 48" in result.stdout
+    assert "optimizer updates: accumulated 24, large batch 24" in result.stdout
     diff = float(result.stdout.split("after 3 epochs:")[1].split()[0])
     assert diff < 1e-5
 
