@@ -9,9 +9,9 @@ rules are `_window.py`'s. What differs from the other backends:
   layer's gradient at a time, as a plain step does;
 - under XLA on one replica, the micro-batch that completes a window
   divides the accumulators as it adds to them, and the optimizer reads
-  them as they are: XLA would make every quotient at once otherwise
-  (`benchmarks/bench_step_memory.py`, deep MLP: 1.0 P above the state,
-  against 0.36 P for a plain step);
+  them as they are: XLA would otherwise make every quotient before the
+  update, a copy of the weights (`benchmarks/bench_step_memory.py`, the
+  deep MLP; figures in docs/benchmarks.md);
 - under `tf.distribute` every window variable is per replica (`ON_READ`):
   micro-steps touch only local memory, and nothing crosses devices until
   the update, where the replicas exchange one packed vector of window
@@ -181,14 +181,14 @@ class TensorFlowOps(_window.WindowOps):
         if self._divided_by is not None:
             return [acc.value for acc in accs]
         if self.xla:
-            # An assignment there costs XLA a copy of each accumulator
-            # (measured): new quotients, then.
+            # An assignment there costs XLA a copy of each accumulator:
+            # new quotients, then.
             return [acc.value / divisor for acc in accs]
         # Into the accumulators: the optimizer then reads them, without a
-        # new quotient per weight alive until the apply (measured: the
-        # update's peak fell from about 1.8 to 1.0-1.2 P above
-        # `Model(B)`'s). The noise estimates and finiteness are read
-        # before this, and a window's first micro-batch overwrites it.
+        # new quotient per weight alive until the apply, which would cost
+        # another copy of the weights at the update's peak. The noise
+        # estimates and finiteness are read before this, and a window's
+        # first micro-batch overwrites it.
         for acc in accs:
             acc.assign(acc.value / divisor)
         # Tensors read here: handed on as variables, under a strategy they
@@ -330,12 +330,12 @@ def _updates_one_at_a_time(optimizer):
     Handed the accumulators, every weight's update can start at once, and
     the graph executor interleaves them: one weight's temporaries (Adam:
     `sqrt(v)` and `g - m`, each the weight's size) stay alive while
-    another's are made (measured, 7-layer MLP: the update's peak 0.67 to
-    0.84 P above the persistent state, by process and threads, against
-    0.34 P for `Model(B)`, whose updates backpropagation paces). Within
-    this context each `update_step` (of the optimizer, and of the one it
-    wraps, as a `LossScaleOptimizer` does) reads its gradient only after
-    every operation the previous one made has run: 0.34 P.
+    another's are made, where a plain step's updates are paced by
+    backpropagation, one weight at a time (the deep MLP of
+    `benchmarks/bench_step_memory.py`). Within this context each
+    `update_step` (of the optimizer, and of the one it wraps, as a
+    `LossScaleOptimizer` does) reads its gradient only after every
+    operation the previous one made has run.
     """
     optimizers = []
     while optimizer is not None and optimizer not in optimizers:

@@ -95,7 +95,7 @@ class AccumModel(_Trainer, keras.Model):
       window, as in a large batch.
 
     Epoch ends: with `partial_window="apply"` (the default) a window still
-    open when an epoch ends is applied on the epoch's last step, normalised
+    open when an epoch ends is applied on the epoch's last step, normalized
     over what it holds, before validation and epoch-end callbacks, exactly
     as a large-batch epoch ends with a short batch. When the number of
     steps per epoch is unknown (a dataset of unknown cardinality and no
@@ -416,7 +416,7 @@ class AccumModel(_Trainer, keras.Model):
     def apply_partial_window(self) -> bool:
         """Applies the open window now, if it holds any micro-batch.
 
-        The window is normalised over what it holds, as a short last batch
+        The window is normalized over what it holds, as a short last batch
         is. Useful with `partial_window="carry"`, e.g. at the end of
         training.
 

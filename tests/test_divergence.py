@@ -109,7 +109,7 @@ def test_failed_micro_batch_leaves_the_window_as_it_was(
     partial_window, report_diff
 ):
     """Before: an error in micro-batch 3 (a label out of range) left
-    `mini_step=3` and its normaliser in the window while the accumulators
+    `mini_step=3` and its normalizer in the window while the accumulators
     held 2 micro-batches; continuing was 5.5e-2 from plain training."""
     x, _ = regression_data(n=64)
     y = (np.arange(64) % 4).astype("int32")

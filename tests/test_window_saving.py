@@ -285,9 +285,9 @@ def _every_four(updates):
 @pytest.mark.parametrize(
     "case", ["sum", "negative_weights", "two_outputs", "callable", "masked"]
 )
-def test_every_normaliser_rule_loads_what_training_saves(case, tmp_path):
+def test_every_normalizer_rule_loads_what_training_saves(case, tmp_path):
     # Three micro-batches of a window of 4, saved and loaded, for each kind
-    # of normaliser: none (summed losses), sample weights of either sign,
+    # of normalizer: none (summed losses), sample weights of either sign,
     # one per sample (two outputs), and loss entries (a callable schedule,
     # whose window may have any length; a mask, which counts fewer).
     x, y = regression_data(n=24)
