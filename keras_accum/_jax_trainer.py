@@ -19,7 +19,7 @@ hooks that carry the window in the state (`_get_jax_state`,
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import keras
@@ -122,8 +122,8 @@ class JaxAccumTrainer(AccumTrainer):
         # Forward pass, loss and its share of the window, and gradients.
         grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
         values = _StepValues(non_trainable, metrics, optimizer_values, counters)
-        (_, aux), grads = grad_fn(trainable, values, x, y, sample_weight)
-        loss, y_pred, non_trainable, metrics, share = aux
+        (_, out), grads = grad_fn(trainable, values, x, y, sample_weight)
+        non_trainable, metrics = out.non_trainable, out.metrics
 
         # Apply: into the window, and the window once it is complete.
         backend = JaxOps(
@@ -131,7 +131,7 @@ class JaxAccumTrainer(AccumTrainer):
         )
         updates = optimizer_values[_iterations_index(self.optimizer)]
         counters, complete = _window.accumulate(
-            counters, backend, grads, share, self._plan(updates)
+            counters, backend, grads, out.share, self._plan(updates)
         )
         counters, applied = _window.close(
             counters, backend, complete, self._jax_close_policy(backend)
@@ -140,7 +140,7 @@ class JaxAccumTrainer(AccumTrainer):
 
         # Metrics.
         logs, metrics = self._update_metrics_variables(
-            metrics, loss, x, y, y_pred, sample_weight
+            metrics, out.loss, x, y, out.y_pred, sample_weight
         )
         window = window_state.pack(backend.accumulators, counters)
         state = (
@@ -161,8 +161,7 @@ class JaxAccumTrainer(AccumTrainer):
         differentiated `trainable`).
 
         Returns:
-            `(scaled objective, (loss, y_pred, non_trainable, metrics,
-            share))`.
+            `(scaled objective, _ObjectiveOut)`.
         """
         kwargs = {}
         if self._call_has_training_arg:
@@ -205,7 +204,9 @@ class JaxAccumTrainer(AccumTrainer):
             scope.get_current_value(v) for v in self.non_trainable_variables
         ]
         metrics = [scope.get_current_value(v) for v in self.metrics_variables]
-        return objective, (loss, y_pred, non_trainable, metrics, share)
+        return objective, _ObjectiveOut(
+            loss, y_pred, non_trainable, metrics, share
+        )
 
     def _jax_close_policy(self, backend):
         mapping = list(
@@ -281,6 +282,16 @@ class JaxAccumTrainer(AccumTrainer):
                     variable.assign(value)
 
         return flush
+
+
+class _ObjectiveOut(NamedTuple):
+    """What `_jax_objective` returns besides the objective."""
+
+    loss: Any
+    y_pred: Any
+    non_trainable: list
+    metrics: list
+    share: _window.Share
 
 
 class _StepValues(NamedTuple):

@@ -149,6 +149,10 @@ def _keras_names():
     reason="reads the package's source; imports every backend's trainer"
 )
 def test_the_private_members_used_are_those_compat_lists():
+    # Every backend's trainer is read: the oldest set (.ci/compat), which
+    # installs TensorFlow alone, leaves this to the main run.
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
     read, defined = _private_names_in_the_package()
     # Read and never defined here, or defined here over Keras's own.
     used = (read - defined - _STANDARD_LIBRARY) | (defined & _keras_names())
@@ -184,3 +188,48 @@ def test_the_keras_hooks_the_package_relies_on_are_there():
     inputs = keras.Input((2,))
     Sub(inputs, keras.layers.Dense(1)(inputs))
     assert issubclass(Sub, _compat.Functional)
+
+
+def _functions_of_the_package():
+    """`(where, parameters, lines of code)` of every function in the
+    package: parameters besides `self` and `cls`, lines that are not
+    blank, comments or the docstring."""
+    import ast
+
+    for path in sorted((ROOT / "keras_accum").glob("*.py")):
+        source = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(source))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args
+            names = [a.arg for a in args.posonlyargs + args.args]
+            names += [a.arg for a in args.kwonlyargs]
+            names += [a.arg for a in (args.vararg, args.kwarg) if a]
+            body = node.body
+            if isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant
+            ):
+                body = body[1:]
+            lines = {
+                line
+                for statement in body
+                for line in range(statement.lineno, statement.end_lineno + 1)
+            }
+            code = [
+                n
+                for n in lines
+                if source[n - 1].strip()
+                and not source[n - 1].strip().startswith("#")
+            ]
+            parameters = [n for n in names if n not in ("self", "cls")]
+            yield f"{path.name}:{node.lineno} {node.name}", parameters, code
+
+
+@pytest.mark.tensorflow_only(reason="reads the package's source")
+def test_every_function_is_short_and_takes_few_parameters():
+    # A core a newcomer can change: no function over 60 lines of code or 6
+    # parameters (docstrings and comments aside).
+    found = list(_functions_of_the_package())
+    long = [(w, len(c)) for w, _, c in found if len(c) > 60]
+    many = [(w, len(p)) for w, p, _ in found if len(p) > 6]
+    assert not long and not many, (long, many)
