@@ -113,7 +113,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
         their gradient all-reduces in different orders.
         """
         backend = self._tensorflow_ops()
-        read = window.read()
+        read = backend.read()
         counters, complete = _window.accumulate(
             read,
             backend,

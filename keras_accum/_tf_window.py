@@ -113,7 +113,7 @@ class TensorFlowOps(_window.WindowOps):
         self.xla = xla
         ctx = tf.distribute.get_replica_context()
         one_replica = ctx is None or ctx.num_replicas_in_sync == 1
-        self._divides_in_step = xla and one_replica and not needs_merge_call()
+        self.divides_in_step = xla and one_replica and not needs_merge_call()
         # Set by `add` where it divided a completing window.
         self._divided_by = None
 
@@ -123,9 +123,10 @@ class TensorFlowOps(_window.WindowOps):
         A conditional per accumulator picks the write (a window's first
         micro-batch assigns, later ones add in place), so that it takes
         that accumulator's gradient only: waiting for every gradient
-        before any write would hold all of them at once. Under XLA on one
-        replica, a select whose result is divided by `closing_divisor`:
-        XLA fuses it into one pass.
+        before any write would hold all of them at once, and clearing the
+        accumulators after an update would allocate a buffer of each.
+        Under XLA a select whose result is divided by `closing_divisor`
+        on one replica: XLA fuses it into one pass.
         """
         zero = tf.zeros((), ACC_DTYPE)
         squares = []
@@ -137,7 +138,7 @@ class TensorFlowOps(_window.WindowOps):
             value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
             if weight is not None:
                 value = value * weight
-            if self._divides_in_step:
+            if self.divides_in_step:
                 total = tf.where(starting, value, acc.value + value)
                 acc.assign(total / closing_divisor)
             else:
@@ -148,7 +149,7 @@ class TensorFlowOps(_window.WindowOps):
                 )
             if sampled is not None:
                 squares.append(self._squares_of_added(value, sampled, zero))
-        if self._divides_in_step:
+        if self.divides_in_step:
             self._divided_by = closing_divisor
         if sampled is None:
             return None
@@ -230,8 +231,10 @@ class TensorFlowOps(_window.WindowOps):
             self.optimizer.apply(grads, self.variables)
 
     def read(self):
-        """The counters as `close` reads them here: their values."""
-        return self.state.read()
+        """The counters as the rules read them here: the variables, each
+        read where a rule uses it (reading every counter at every step
+        would cost a read of each)."""
+        return self.state.counters
 
     def write(self, counters, read) -> None:
         """Assigns the counters `close` changed."""

@@ -157,17 +157,21 @@ class WindowOps:
     totals up.
     """
 
+    # Whether `add` divides a completing window (it then needs the
+    # `closing_divisor`).
+    divides_in_step = False
+
     def add(self, grads, weight, starting, sampled, closing_divisor):
         """Adds `grads` (times `weight`, unless None) to the accumulators.
 
         A window's first micro-batch (`starting`, a boolean scalar)
         overwrites them instead: clearing them after an update would cost
         a pass over every accumulator. `closing_divisor` is the window's
-        divisor where this micro-batch completes it, 1 elsewhere (a
-        backend may divide as it adds; its `gradients` then knows).
-        Returns the sum of the squares of what it added where `sampled`
-        (a boolean scalar) holds, zero elsewhere; None where `sampled` is
-        None (no window estimates the noise scale).
+        divisor where this micro-batch completes it, 1 elsewhere (only
+        where `divides_in_step`; `gradients` then knows). Returns the sum
+        of the squares of what it added where `sampled` (a boolean scalar)
+        holds, zero elsewhere; None where `sampled` is None (no window
+        estimates the noise scale).
         """
         raise NotImplementedError
 
@@ -249,11 +253,13 @@ def accumulate(
     )
     complete = is_complete(added, plan.close_at_epoch_end)
     sampled = is_sampled(counters, plan.noise_every)
-    closing_divisor = ops.where(
-        complete,
-        window_divisor(added.acc_normalizer),
-        ops.ones((), ACC_DTYPE),
-    )
+    closing_divisor = None
+    if backend.divides_in_step:
+        closing_divisor = ops.where(
+            complete,
+            window_divisor(added.acc_normalizer),
+            ops.ones((), ACC_DTYPE),
+        )
     squares = backend.add(
         grads, share.weight, starting, sampled, closing_divisor
     )
@@ -326,9 +332,9 @@ def local_totals(counters: Counters, backend: WindowOps):
     """
     return ops.stack(
         [
-            counters.acc_normalizer,
-            counters.acc_loss,
-            counters.acc_samples,
+            _float(counters.acc_normalizer),
+            _float(counters.acc_loss),
+            _float(counters.acc_samples),
             _float(ops.logical_not(backend.all_finite())),
         ]
     )
