@@ -12,7 +12,8 @@ variants are built and warmed up once, then timed in interleaved rounds:
 Reported per backend, model and k: the median over rounds of each round's
 ratio of CPU time per sample to `Model(B)`'s in the same round (paired, so
 that a machine slowed for a while slows both), with the first and third
-quartiles. Each backend runs its default step: TensorFlow's `tf.function`
+quartiles; and, paired the same way, `AccumModel`'s CPU time against
+Keras's built-in (`accum` vs `keras_ga`). Each backend runs its default step: TensorFlow's `tf.function`
 (`jit_compile="auto"`), JAX's `jax.jit`, PyTorch's eager step.
 
     python benchmarks/bench_backends.py                 # all three
@@ -76,10 +77,17 @@ def worker(args):
                 turn = round_ % len(variants)
                 for variant in variants[turn:] + variants[:turn]:
                     times[variant].append(cpu_per_sample(built[variant], x, y))
-            for variant in variants[1:]:
+            # Against Model(B), and (paired in the same round) ours against
+            # Keras's own accumulation.
+            pairs = [(v, "plain") for v in variants[1:]]
+            if k > 1:
+                pairs.append(("accum", "keras_ga"))
+            for variant, baseline in pairs:
                 ratios = [
                     t / p
-                    for t, p in zip(times[variant], times["plain"], strict=True)
+                    for t, p in zip(
+                        times[variant], times[baseline], strict=True
+                    )
                 ]
                 quartiles = (
                     statistics.quantiles(ratios, n=4)
@@ -92,6 +100,7 @@ def worker(args):
                         "model": name,
                         "k": k,
                         "variant": variant,
+                        "baseline": baseline,
                         "micro_batch": args.micro_batch,
                         "samples_per_run": samples,
                         "ratios": ratios,
@@ -169,12 +178,12 @@ def main():
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(
         f"{'backend':<11} {'model':<5} {'k':>3}  {'variant':<9} "
-        "median  (q1-q3) of CPU time/sample vs Model(B)"
+        "vs baseline  median  (q1-q3) of CPU time/sample"
     )
     for r in rows:
         print(
             f"{r['backend']:<11} {r['model']:<5} {r['k']:>3}  "
-            f"{r['variant']:<9} {r['ratio_median']:.3f}  "
+            f"{r['variant']:<9} {r['baseline']:<11} {r['ratio_median']:.3f}  "
             f"({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})"
         )
 
