@@ -13,8 +13,10 @@ Reported per backend, model and k: the median over rounds of each round's
 ratio of CPU time per sample to `Model(B)`'s in the same round (paired, so
 that a machine slowed for a while slows both), with the first and third
 quartiles; and, paired the same way, `AccumModel`'s CPU time against
-Keras's built-in (`accum` vs `keras_ga`). Each backend runs its default step: TensorFlow's `tf.function`
-(`jit_compile="auto"`), JAX's `jax.jit`, PyTorch's eager step.
+Keras's built-in (`accum` vs `keras_ga`). Each backend runs its default
+step (`jit_compile="auto"`): TensorFlow's `tf.function` graph (Keras
+turns XLA off on a CPU-only machine), JAX's `jax.jit`, PyTorch's eager
+step.
 
     python benchmarks/bench_backends.py                 # all three
     python benchmarks/bench_backends.py --backends=torch --rounds=3
