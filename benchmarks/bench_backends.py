@@ -14,12 +14,13 @@ ratio of CPU time per sample to `Model(B)`'s in the same round (paired, so
 that a machine slowed for a while slows both), with the first and third
 quartiles; and, paired the same way, `AccumModel`'s CPU time against
 Keras's built-in (`accum` vs `keras_ga`). Each backend runs its default
-step (`jit_compile="auto"`): TensorFlow's `tf.function` graph (Keras
-turns XLA off on a CPU-only machine), JAX's `jax.jit`, PyTorch's eager
-step.
+step (`jit_compile="auto"`; `--jit-compile` sets it): TensorFlow's
+`tf.function` graph (Keras turns XLA off on a CPU-only machine), JAX's
+`jax.jit`, PyTorch's eager step.
 
     python benchmarks/bench_backends.py                 # all three
     python benchmarks/bench_backends.py --backends=torch --rounds=3
+    python benchmarks/bench_backends.py --backends=tensorflow --jit-compile=true
 
 Results go to benchmarks/results/backends.json.
 """
@@ -51,7 +52,10 @@ def worker(args):
     def build(name, variant, k):
         keras.utils.set_random_seed(0)
         inputs, outputs, _, _ = MODELS[name]()
-        return compiled(inputs, outputs, variant, k)
+        jit = {"auto": "auto", "true": True, "false": False}
+        return compiled(
+            inputs, outputs, variant, k, jit_compile=jit[args.jit_compile]
+        )
 
     def cpu_per_sample(model, x, y):
         start = time.process_time()
@@ -123,6 +127,9 @@ def _parser():
     parser.add_argument("--ks", default="4,16")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--jit-compile", choices=("auto", "true", "false"), default="auto"
+    )
     parser.add_argument("--samples-per-run", type=int, default=4096)
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks/results/backends.json")
@@ -140,7 +147,7 @@ def _run_worker(args, backend):
         "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
     }
     command = [sys.executable, __file__, "--worker", backend]
-    for option in ("models", "ks", "micro_batch", "rounds"):
+    for option in ("models", "ks", "micro_batch", "rounds", "jit_compile"):
         command.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
     command.append(f"--samples-per-run={args.samples_per_run}")
     result = subprocess.run(
@@ -174,6 +181,7 @@ def main():
         },
         "clock": "cpu",
         "rounds": args.rounds,
+        "jit_compile": args.jit_compile,
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
