@@ -2,6 +2,7 @@
 
 # First: it warns when this Keras is outside the tested range.
 from keras_accum import _compat  # noqa: F401
+from keras_accum.auto import AutoAccumSteps
 from keras_accum.callbacks import PseudoBatch, PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
 from keras_accum.model import AccumModel
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
+    "AutoAccumSteps",
     "PseudoBatch",
     "PseudoBatchLogger",
 ]

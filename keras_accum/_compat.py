@@ -7,6 +7,7 @@ one the test suite ran on (the newest in CI, the oldest in `.ci/compat`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import warnings
@@ -177,6 +178,42 @@ def optimizer_strategy(optimizer):
     return getattr(optimizer, "_distribution_strategy", None)
 
 
+@contextlib.contextmanager
+def learning_rate_scaled(optimizer, rate):
+    """Within, `optimizer` updates at `rate.scale` times its learning rate.
+
+    Keras reads an optimizer's learning rate through one method,
+    `_get_current_learning_rate` (the `learning_rate` property, weight
+    decay, every backend's update), so the step overrides it on the
+    instance while it traces or runs the update; a `LearningRateSchedule`
+    is evaluated at `rate.progress` where given. A `LossScaleOptimizer`'s
+    inner optimizer is the one that updates. Nothing changes for
+    `rate=None`.
+    """
+    if rate is None or optimizer is None:
+        yield
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    original = inner._get_current_learning_rate
+
+    def scaled():
+        learning_rate = inner._learning_rate
+        schedule = keras.optimizers.schedules.LearningRateSchedule
+        if rate.progress is not None and isinstance(learning_rate, schedule):
+            base = learning_rate(rate.progress)
+        else:
+            base = original()
+        return keras.ops.cast(base, "float32") * keras.ops.cast(
+            rate.scale, "float32"
+        )
+
+    inner.__dict__["_get_current_learning_rate"] = scaled
+    try:
+        yield
+    finally:
+        inner.__dict__.pop("_get_current_learning_rate", None)
+
+
 try:
     from keras.src.backend.config import is_nnx_enabled
 except ImportError:  # Keras before 3.11 has no Flax NNX mode.
@@ -208,6 +245,8 @@ PRIVATE_MEMBERS = {
     "_obj_type": "KerasSaveable: which objects the saver walks into",
     "_clip_gradients": "Optimizer: clipping the window's sum across replicas",
     "_distribution_strategy": "TF optimizer: the strategy it was made in",
+    "_get_current_learning_rate": "Optimizer: its learning rate, read once",
+    "_learning_rate": "Optimizer: its float, variable or schedule",
     # The window is created before the step is traced, and travels in it.
     "_maybe_symbolic_build": "Trainer: builds the model before `fit`",
     "_symbolic_build": "Trainer: the same, from a data spec",

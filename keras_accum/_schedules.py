@@ -1,8 +1,9 @@
 """`accum_steps` schedules in a model's config: saved and loaded.
 
 An int is saved as it is, an epoch schedule as a dict with string keys
-(JSON), and a callable as Keras saves functions: a registered function by
-name, a lambda as its code (loaded only with `safe_mode=False`).
+(JSON), an `AutoAccumSteps` as Keras saves objects, and a callable as
+Keras saves functions: a registered function by name, a lambda as its code
+(loaded only with `safe_mode=False`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import types
 import keras
 
 from keras_accum._validation import check_accum_schedule
+from keras_accum.auto import AutoAccumSteps
 
 # What a saved lambda may use besides Python's builtins without being given
 # it: the schedules guide writes them with `keras.ops`.
@@ -25,7 +27,7 @@ def serialize_accum_steps(accum_steps):
     if isinstance(accum_steps, dict):
         # JSON keys are strings; `check_accum_schedule` reads them back.
         return {str(epoch): steps for epoch, steps in accum_steps.items()}
-    if callable(accum_steps):
+    if callable(accum_steps) or isinstance(accum_steps, AutoAccumSteps):
         return keras.saving.serialize_keras_object(accum_steps)
     return accum_steps
 

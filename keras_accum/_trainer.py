@@ -26,6 +26,7 @@ from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_log import read_int
 from keras_accum._window_saving import WindowRules
+from keras_accum.auto import AutoAccumSteps
 from keras_accum.layers import AccumBatchNormalization
 
 
@@ -95,7 +96,8 @@ class AccumTrainer:
         if not all(layer.built for layer in forward_layers(self)):
             return
         self._window = self._create_window(
-            self._steps_for_now() or 1, self._window_close_hooks()
+            self._steps_for_now() or self._first_length(),
+            self._window_close_hooks(),
         )
         self._window_refs = [id(v) for v in self.trainable_weights]
         # Layers outside the forward pass, left unbuilt (see
@@ -105,6 +107,7 @@ class AccumTrainer:
         }
         self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
         self._window.load_rules = self._saved_window_rules
+        self._window.after_load = self._assign_target_length
 
     def _create_window(self, length, close_hooks):
         check_model(self)
@@ -164,17 +167,39 @@ class AccumTrainer:
         )
 
     def _steps_for_now(self) -> int | None:
-        """The window length the configuration gives now, if static."""
+        """The window length the configuration gives now, if static (not
+        a callable schedule's, nor `"auto"`'s)."""
         if isinstance(self._accum_steps, dict):
             return steps_for_epoch(self._accum_steps, self._epoch)
-        if callable(self._accum_steps):
+        if callable(self._accum_steps) or self._auto() is not None:
             return None
         return self._accum_steps
 
+    def _auto(self) -> AutoAccumSteps | None:
+        """The controller of `accum_steps="auto"`, else None."""
+        steps = self._accum_steps
+        return steps if isinstance(steps, AutoAccumSteps) else None
+
+    def _first_length(self) -> int:
+        """A new window state's first length where `_steps_for_now` has
+        none: `"auto"`'s shortest, else 1 (a callable's is set in the
+        step)."""
+        auto = self._auto()
+        return 1 if auto is None else auto.min_steps
+
     def _assign_target_length(self):
+        if self._window is None:
+            return
+        target = self._window.counters.target_length
         steps = self._steps_for_now()
-        if self._window is not None and steps is not None:
-            self._window.counters.target_length.assign(steps)
+        auto = self._auto()
+        if auto is not None:
+            # The controller goes on from the length it has, within its
+            # bounds.
+            now = read_int(target)
+            steps = min(max(now, auto.min_steps), auto.max_steps)
+        if steps is not None:
+            target.assign(steps)
 
     def _flush(self):
         """Applies the open window outside the step."""
@@ -290,7 +315,7 @@ class AccumTrainer:
         """How this step adds its micro-batch to the window."""
         return _window.Plan(
             scheduled=self._scheduled_length(updates),
-            noise_every=self._noise_scale_every,
+            noise_every=self._noise_every(),
             close_at_epoch_end=self._partial_window == "apply",
         )
 
@@ -301,9 +326,17 @@ class AccumTrainer:
             scales_loss=isinstance(
                 self.optimizer, keras.optimizers.LossScaleOptimizer
             ),
-            noise_every=self._noise_scale_every,
+            noise_every=self._noise_every(),
             loss_scale=loss_scale,
+            auto=self._auto(),
+            optimizer=self.optimizer,
         )
+
+    def _noise_every(self) -> int:
+        """Every how many windows the noise scale is estimated: each one
+        under `"auto"`, which steers by it; else as `PseudoBatchLogger`
+        asks (0: never)."""
+        return 1 if self._auto() is not None else self._noise_scale_every
 
     def _saved_window_rules(self) -> WindowRules:
         """What a window loaded into this model may hold.
@@ -317,8 +350,10 @@ class AccumTrainer:
         steps = self._accum_steps
         if isinstance(steps, dict):
             lengths = tuple(steps.values())
+        elif callable(steps) or isinstance(steps, AutoAccumSteps):
+            lengths = None
         else:
-            lengths = None if callable(steps) else (steps,)
+            lengths = (steps,)
         shown = getattr(steps, "__name__", None) if callable(steps) else None
         outputs = getattr(self, "outputs", None)
         entries, maskable = normalizers.static_entries(self)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 
+from keras_accum.auto import AutoAccumSteps
+
 PARTIAL_WINDOW_MODES = ("apply", "carry")
 
 
@@ -40,8 +42,13 @@ def check_partial_window(partial_window: object) -> str:
 def check_accum_schedule(accum_steps: object) -> object:
     """Returns `accum_steps` (an int, an epoch schedule or a callable).
 
-    An epoch schedule is returned as a new dict with int keys sorted.
+    An epoch schedule is returned as a new dict with int keys sorted, and
+    `"auto"` as `AutoAccumSteps()`.
     """
+    if isinstance(accum_steps, AutoAccumSteps):
+        return accum_steps
+    if isinstance(accum_steps, str) and accum_steps == "auto":
+        return AutoAccumSteps()
     if callable(accum_steps) and not isinstance(accum_steps, type):
         return accum_steps
     if isinstance(accum_steps, dict):
@@ -78,7 +85,8 @@ def check_accum_schedule(accum_steps: object) -> object:
     ):
         raise TypeError(
             "`accum_steps` must be an integer >= 1, a dict mapping epochs "
-            "to integers, or a callable of the update count. "
+            'to integers, a callable of the update count, or "auto" (an '
+            "`AutoAccumSteps`). "
             f"Received: accum_steps={accum_steps!r} "
             f"(of type {type(accum_steps).__name__})"
         )

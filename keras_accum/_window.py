@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
+from keras_accum import _compat, auto
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
@@ -67,16 +68,23 @@ class Counters(NamedTuple):
         steps_per_epoch: Steps in the current `fit` epoch, 0 if unknown.
         window_length: The open window's length, fixed when it starts.
         target_length: The length of windows starting from now:
-            `accum_steps`, or what its schedule by epoch gives; a variable
-            so that changing it does not retrace.
+            `accum_steps`, what its schedule by epoch gives, or what
+            `accum_steps="auto"` chose; a variable so that changing it
+            does not retrace.
         skipped_windows: Windows dropped because their gradient was not
             finite.
         log_count: Windows published so far (the rings' write position).
         log_loss, log_samples, log_trace, log_grad_sq, log_update,
-            log_micro: Rings of the last `LOG_CAPACITY` closed windows'
-            pseudo-batch loss, samples, estimates of tr(Σ) and |G|² (NaN
-            where not estimated), `optimizer.iterations` after the update,
-            and micro-batches.
+            log_micro, log_lr_scale: Rings of the last `LOG_CAPACITY`
+            closed windows' pseudo-batch loss, samples, estimates of tr(Σ)
+            and |G|² (NaN where not estimated), `optimizer.iterations`
+            after the update, micro-batches, and the factor on the
+            learning rate (`auto.learning_rate`; 1 without one).
+        auto_trace, auto_grad_sq: `accum_steps="auto"`: the moving
+            averages of the windows' estimates of tr(Σ) and |G|² (`auto`).
+        auto_estimates: `accum_steps="auto"`: windows measured so far.
+        auto_progress: `lr_scaling="adascale"`: the scale-invariant
+            progress, the sum of the updates' gains.
     """
 
     acc_normalizer: Any
@@ -97,19 +105,25 @@ class Counters(NamedTuple):
     log_grad_sq: Any
     log_update: Any
     log_micro: Any
+    log_lr_scale: Any
+    auto_trace: Any
+    auto_grad_sq: Any
+    auto_estimates: Any
+    auto_progress: Any
 
 
 # The window's totals, reset when it closes; under `tf.distribute` their
 # replicas' copies add up (the other counters agree on every replica).
 TOTALS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
-_RINGS = ("log_loss", "log_samples", "log_trace", "log_grad_sq")
+_RINGS = ("log_loss", "log_samples", "log_trace", "log_grad_sq", "log_lr_scale")
+_CONTROLLER = ("auto_trace", "auto_grad_sq", "auto_progress")
 _INT_RINGS = ("log_update", "log_micro")
 
 
 def counter_spec(name: str) -> tuple[tuple, str]:
     """`(shape, dtype)` of the counter `name`."""
     shape = (LOG_CAPACITY,) if name in (*_RINGS, *_INT_RINGS) else ()
-    floats = (*TOTALS, *_RINGS)
+    floats = (*TOTALS, *_RINGS, *_CONTROLLER)
     return shape, ACC_DTYPE if name in floats else COUNT_DTYPE
 
 
@@ -139,11 +153,16 @@ class ClosePolicy(NamedTuple):
             gradient noise scale; 0 for none.
         loss_scale: The scale the window's gradients carry, taken out of
             the estimates.
+        auto: The `auto.AutoAccumSteps` steering the window's length
+            (`noise_every` is then 1); None for a length the model sets.
+        optimizer: The optimizer whose learning rate `auto` may scale.
     """
 
     scales_loss: bool = False
     noise_every: int = 0
     loss_scale: Any = 1.0
+    auto: Any = None
+    optimizer: Any = None
 
 
 class WindowOps:
@@ -318,9 +337,40 @@ def close(
     finite, go = decide(totals, should_close, policy.scales_loss)
     # From the window as it closes, before the update; each replica's own.
     trace, grad_sq = backend.each(noise_estimates, counters, backend, policy)
-    iterations = backend.apply(go, window_divisor(totals[0]))
+    rate = None
+    if policy.auto is not None:
+        rate = auto.learning_rate(
+            counters, policy.auto, counters.mini_step, totals[2]
+        )
+    with _compat.learning_rate_scaled(policy.optimizer, rate):
+        iterations = backend.apply(go, window_divisor(totals[0]))
     closed = Closed(totals, finite, iterations, trace, grad_sq)
+    if policy.auto is not None:
+        # The controller steers every replica alike, from their mean.
+        packed = backend.reduce_sum(backend.each(_packed, trace, grad_sq))
+        estimates = (packed[0] / packed[2], packed[1] / packed[2])
+        closed = closed._replace(
+            steering=Steering(estimates, (rate, go), policy.auto)
+        )
     return backend.each(finish, counters, closed, should_close), go
+
+
+def _packed(trace, grad_sq):
+    return ops.stack([trace, grad_sq, ops.ones_like(trace)])
+
+
+class Steering(NamedTuple):
+    """What `accum_steps="auto"` learns from a closing window.
+
+    Attributes:
+        estimates: `(trace, grad_sq)` averaged over replicas.
+        rate: `(auto.Rate or None, applied)`.
+        config: The `auto.AutoAccumSteps`.
+    """
+
+    estimates: Any
+    rate: Any
+    config: Any
 
 
 def local_totals(counters: Counters, backend: WindowOps):
@@ -368,6 +418,7 @@ class Closed(NamedTuple):
         iterations: `optimizer.iterations` after the update, if any.
         trace, grad_sq: Its noise-scale estimates (NaN if none).
         micro_steps: Its micro-batches; None for `mini_step`.
+        steering: A `Steering` under `accum_steps="auto"`, else None.
     """
 
     totals: Any
@@ -376,6 +427,7 @@ class Closed(NamedTuple):
     trace: Any
     grad_sq: Any
     micro_steps: Any = None
+    steering: Any = None
 
 
 def finish(counters: Counters, closed: Closed, should_close) -> Counters:
@@ -395,6 +447,8 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
         == counters.log_count % LOG_CAPACITY,
         publish,
     )
+    steering = closed.steering
+    rate = None if steering is None else steering.rate[0]
     published = {
         "log_loss": totals[1] / window_divisor(totals[0]),
         "log_samples": totals[2],
@@ -402,6 +456,7 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
         "log_micro": micro_steps,
         "log_trace": closed.trace,
         "log_grad_sq": closed.grad_sq,
+        "log_lr_scale": 1.0 if rate is None else rate.scale,
     }
     changes = {}
     for name, value in published.items():
@@ -411,11 +466,32 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
     for name in (*TOTALS, "mini_step"):
         value = getattr(counters, name)
         changes[name] = ops.where(should_close, ops.zeros_like(value), value)
+    if steering is not None:
+        changes.update(_steered(counters, closed, publish, micro_steps))
     return counters._replace(
         log_count=counters.log_count + ops.cast(publish, COUNT_DTYPE),
         skipped_windows=counters.skipped_windows
         + ops.cast(skipped, COUNT_DTYPE),
         **changes,
+    )
+
+
+def _steered(counters: Counters, closed: Closed, publish, micro_steps):
+    """`auto.steer`'s changes for a window that published if `publish`."""
+    steering = closed.steering
+    trace, grad_sq = steering.estimates
+    taken = ops.logical_and(
+        publish,
+        ops.logical_and(ops.isfinite(trace), ops.isfinite(grad_sq)),
+    )
+    # Every replica's samples (the totals'), per micro-batch.
+    micro_batch = closed.totals[2] / ops.maximum(_float(micro_steps), 1.0)
+    return auto.steer(
+        counters,
+        (trace, grad_sq, taken),
+        (_float(micro_steps), ops.maximum(micro_batch, 1.0)),
+        steering.rate,
+        steering.config,
     )
 
 

@@ -26,21 +26,21 @@ import numpy as np
 from keras_accum._compat import KerasSaveable
 from keras_accum._normalizer import LossRule
 
-# Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...).
-SAVED_COUNTERS = (
-    "acc_normalizer",
-    "acc_loss",
-    "acc_samples",
-    "acc_grad_sq",
+# Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...): the
+# window's float32 totals (0 between windows), its integer counters, and
+# the float32 state of `accum_steps="auto"`'s controller (0 without one).
+SAVED_TOTALS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
+SAVED_INTS = (
     "mini_step",
     "epoch",
     "epoch_step",
     "window_length",
     "skipped_windows",
+    "target_length",
+    "auto_estimates",
 )
-# The window's float32 totals (0 between windows) and integer counters.
-SAVED_TOTALS = SAVED_COUNTERS[:4]
-SAVED_INTS = SAVED_COUNTERS[4:]
+SAVED_CONTROLLER = ("auto_trace", "auto_grad_sq", "auto_progress")
+SAVED_COUNTERS = (*SAVED_TOTALS, *SAVED_INTS, *SAVED_CONTROLLER)
 SAVED_INT_DTYPES = ("int32",)
 INT_MAX = 2**31 - 1
 # Float32 sums of whole numbers are exact below 2**24; above, a window's
@@ -76,10 +76,15 @@ class SavedWindow(KerasSaveable):
 
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
     `counters`, with a variable for each name in `SAVED_COUNTERS`. The
-    model sets `load_rules`, a callable returning its `WindowRules`.
+    model sets `load_rules`, a callable returning its `WindowRules`, and
+    `after_load`.
     """
 
     load_rules = None
+    # Called with no arguments once a saved window has loaded: the model
+    # sets the length of the windows to come from its own `accum_steps`
+    # (kept from the file only under `accum_steps="auto"`).
+    after_load = None
     # Set by `check_file` for the load that follows it, whose own check
     # then keeps quiet: the warning it would repeat was given already.
     _checked_file = False
@@ -117,6 +122,8 @@ class SavedWindow(KerasSaveable):
             int(values["epoch"]),
             int(values["epoch_step"]),
         )
+        if self.after_load is not None:
+            self.after_load()
 
     def check_file(self, filepath) -> None:
         """Checks the window saved in a weights or `.keras` file.
@@ -189,7 +196,7 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     for i, shape in enumerate(shapes):
         name = f"acc_grad_{i}"
         values[name] = _read(store, name, ("float32",), shape, where)
-    for name in SAVED_TOTALS:
+    for name in (*SAVED_TOTALS, *SAVED_CONTROLLER):
         values[name] = _read(store, name, ("float32",), (), where)
     for name in SAVED_INTS:
         values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
@@ -294,9 +301,12 @@ def _check_values(values, rules, where):
             f"0..{length - 1}",
             f"window_length={length}, {context}",
         )
-    for name in ("epoch", "epoch_step", "skipped_windows"):
+    for name in ("epoch", "epoch_step", "skipped_windows", "auto_estimates"):
         if not 0 <= ints[name] <= INT_MAX:
             fail(name, ints[name], f"0..{INT_MAX}")
+    if not 1 <= ints["target_length"] <= INT_MAX:
+        fail("target_length", ints["target_length"], f"1..{INT_MAX}")
+    _check_controller(values, fail)
     if mini_step == 0:
         # An empty window: closing one resets its totals to 0.
         for name, value in totals.items():
@@ -310,6 +320,19 @@ def _check_values(values, rules, where):
         # A sum of squares; NaN or inf where gradients overflowed.
         fail("acc_grad_sq", totals["acc_grad_sq"], "the numbers >= 0")
     _check_normalizer(totals["acc_normalizer"], samples, rules, fail)
+
+
+def _check_controller(values, fail):
+    """`accum_steps="auto"`'s moving averages are finite (a negative
+    average is possible: unbiased estimates of |G|² and tr(Σ) can be),
+    and its progress, a sum of gains >= 1, is finite and not negative."""
+    for name in ("auto_trace", "auto_grad_sq"):
+        value = float(values[name])
+        if not math.isfinite(value):
+            fail(name, value, "the finite numbers", "a moving average")
+    progress = float(values["auto_progress"])
+    if not (math.isfinite(progress) and progress >= 0):
+        fail("auto_progress", progress, "the finite numbers >= 0")
 
 
 def _check_normalizer(normalizer, samples, rules, fail):

@@ -33,6 +33,9 @@ class PseudoBatch(NamedTuple):
             `trace / grad_sq` is a batch size in samples.
         grad_sq: With `noise_scale=True`, this window's unbiased estimate
             of |G|², the squared norm of the true gradient; else NaN.
+            (Under `accum_steps="auto"` every window has both.)
+        lr_scale: The factor `AutoAccumSteps(lr_scaling=...)` put on the
+            optimizer's learning rate for this update; 1 without one.
     """
 
     update: int
@@ -41,6 +44,7 @@ class PseudoBatch(NamedTuple):
     micro_batches: int = 1
     trace: float = float("nan")
     grad_sq: float = float("nan")
+    lr_scale: float = 1.0
 
 
 class PseudoBatchLogger(keras.callbacks.Callback):
@@ -63,7 +67,12 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     - `pseudo_batch_loss_std`: their population standard deviation;
     - `pseudo_batch_skipped_windows`: windows skipped in the epoch because
       their gradient was not finite (no update; `model.skipped_windows`
-      counts them over the model's life).
+      counts them over the model's life);
+    - `pseudo_batch_window_length`: the length, in micro-batches, of the
+      windows that start next (`accum_steps`, its schedule's, or what
+      `accum_steps="auto"` chose);
+    - `pseudo_batch_size`: the samples of the epoch's last window (NaN for
+      an epoch without updates).
 
     The first two are NaN for an epoch without updates (possible only with
     `partial_window="carry"`). The keys are added before any other callback
@@ -81,10 +90,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     otherwise.
 
     The per-update series is kept in `updates`, a list of `PseudoBatch`
-    `(update, loss, samples, micro_batches, trace, grad_sq)`, across epochs
-    and `fit` calls. With
-    `log_dir`, each update's loss is also written as the TensorBoard scalar
-    `pseudo_batch_loss` at step `update`.
+    `(update, loss, samples, micro_batches, trace, grad_sq, lr_scale)`,
+    across epochs and `fit` calls. With `log_dir`, each update's loss,
+    window length and samples are also written as the TensorBoard scalars
+    `pseudo_batch_loss`, `pseudo_batch_window_length` and
+    `pseudo_batch_size` at step `update`.
 
     Gradient noise scale (`noise_scale=True`): every window holds
     `accum_steps` micro-batch gradients and their mean, which is what the
@@ -240,6 +250,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         steps = self.model.accum_steps
         # A schedule may shorten windows to one micro-batch.
         shortest = steps if isinstance(steps, int) else 1
+        shortest = getattr(steps, "min_steps", shortest)
         per_callback = math.ceil(self.model.steps_per_execution / shortest) + 1
         self._read_every = max(1, (LOG_CAPACITY // 2) // per_callback)
         self._batches_since_read = 0
@@ -282,6 +293,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
             logs["pseudo_batch_loss_std"] = float("nan")
         # Counted once, by the model, when the epoch's last window closed.
         logs["pseudo_batch_skipped_windows"] = self.model._epoch_skipped_windows
+        logs["pseudo_batch_window_length"] = self._next_window_length()
+        epoch_updates = self.updates[self._epoch_start :]
+        logs["pseudo_batch_size"] = (
+            float(epoch_updates[-1].samples) if epoch_updates else float("nan")
+        )
         if self.noise_scale:
             logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
             logs["pseudo_batch_critical_batch_size"] = self.critical_batch_size
@@ -289,15 +305,31 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 self.suggested_accum_steps
             )
 
+    def _next_window_length(self) -> int:
+        window = self.model._window
+        if window is None:
+            return self.model.window_length
+        return read_int(window.counters.target_length)
+
     # -- Noise scale ----------------------------------------------------------
 
     @property
     def noise_scale_estimate(self) -> float:
-        """The smoothed B_simple = tr(Σ) / |G|², in samples; NaN if none."""
-        if not self.noise_scale or self._ema_grad_sq <= 0:
+        """The smoothed B_simple = tr(Σ) / |G|², in samples; NaN if none.
+
+        Under `accum_steps="auto"`, the controller's own (the one its
+        window lengths follow)."""
+        if not self.noise_scale:
+            return float("nan")
+        trace, grad_sq = self._ema_trace, self._ema_grad_sq
+        window = self.model._window if self.model is not None else None
+        if window is not None and self.model._auto() is not None:
+            trace = float(read_array(window.counters.auto_trace))
+            grad_sq = float(read_array(window.counters.auto_grad_sq))
+        if grad_sq <= 0:
             return float("nan")
         # The bias corrections of the two averages cancel in the ratio.
-        return self._ema_trace / self._ema_grad_sq
+        return trace / grad_sq
 
     @property
     def critical_batch_size(self) -> float:
@@ -348,6 +380,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         micro = read_array(window.counters.log_micro)
         traces = read_array(window.counters.log_trace)
         grad_sqs = read_array(window.counters.log_grad_sq)
+        lr_scales = read_array(window.counters.log_lr_scale)
         new = []
         for i in range(first, count):
             slot = i % LOG_CAPACITY
@@ -358,6 +391,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 int(micro[slot]),
                 float(traces[slot]),
                 float(grad_sqs[slot]),
+                float(lr_scales[slot]),
             )
             new.append(item)
             if self.noise_scale:
@@ -369,9 +403,12 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
             with self._writer.as_default():
                 for item in new:
-                    tf.summary.scalar(
-                        "pseudo_batch_loss", item.loss, step=item.update
-                    )
+                    for name, value in (
+                        ("pseudo_batch_loss", item.loss),
+                        ("pseudo_batch_window_length", item.micro_batches),
+                        ("pseudo_batch_size", item.samples),
+                    ):
+                        tf.summary.scalar(name, value, step=item.update)
                 if self.noise_scale and math.isfinite(
                     self.noise_scale_estimate
                 ):

@@ -36,6 +36,7 @@ from keras_accum._schedules import (
 from keras_accum._validation import check_accum_schedule, check_partial_window
 from keras_accum._window_epochs import WindowEpochs, WindowResume
 from keras_accum._window_log import read_int
+from keras_accum.auto import AutoAccumSteps
 
 _SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -62,9 +63,9 @@ elif keras.backend.backend() == "jax":
 else:
     from keras_accum._torch_trainer import TorchAccumTrainer as _Trainer
 
-# An int, a schedule by epoch `{epoch: steps}`, or a callable of the update
-# count.
-AccumSteps = int | dict | Callable
+# An int, a schedule by epoch `{epoch: steps}`, a callable of the update
+# count, or `"auto"` / an `AutoAccumSteps`.
+AccumSteps = int | dict | Callable | str | AutoAccumSteps
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -160,6 +161,12 @@ class AccumModel(_Trainer, keras.Model):
     on TensorFlow with a GPU) cannot raise there: such a value is clamped
     to 1.
 
+    Automatic windows: `accum_steps="auto"` (or an `AutoAccumSteps` to
+    configure it) lets the window grow with the critical batch size,
+    measured in the step from each window's micro-batches; each window
+    still equals a plain model trained on its samples as one batch. See
+    `AutoAccumSteps` and the guide "Choosing the window automatically".
+
     A window whose gradient is not finite (NaN or inf) applies no update
     and is counted in `skipped_windows`; an epoch that skipped windows ends
     with a `UserWarning` (not under a `LossScaleOptimizer`, which skips
@@ -167,9 +174,10 @@ class AccumModel(_Trainer, keras.Model):
     `keras.Model`'s; `PseudoBatchLogger` adds the per-epoch count.
 
     Args:
-        accum_steps: Integer >= 1, a dict `{epoch: steps}` or a callable
-            of the update count. Micro-batches per optimizer update.
-            Defaults to `1` (one update per batch, as `keras.Model`).
+        accum_steps: Integer >= 1, a dict `{epoch: steps}`, a callable
+            of the update count, or `"auto"` / an `AutoAccumSteps`.
+            Micro-batches per optimizer update. Defaults to `1` (one
+            update per batch, as `keras.Model`).
         partial_window: `"apply"` or `"carry"`. What happens to a window
             still open when an epoch ends: `"apply"` applies it then,
             `"carry"` continues it into the next epoch. Defaults to
@@ -179,7 +187,7 @@ class AccumModel(_Trainer, keras.Model):
 
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
-            dict or a callable.
+            dict, a callable, `"auto"` or an `AutoAccumSteps`.
         ValueError: If `accum_steps < 1`, an epoch schedule has no epoch 0
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
@@ -348,7 +356,10 @@ class AccumModel(_Trainer, keras.Model):
     @accum_steps.setter
     def accum_steps(self, value: AccumSteps) -> None:
         value = check_accum_schedule(value)
-        if callable(value) or callable(self._accum_steps):
+        # A callable schedule and `"auto"`'s controller are traced into
+        # the step.
+        traced = (value, self._accum_steps)
+        if any(callable(v) or isinstance(v, AutoAccumSteps) for v in traced):
             self.train_function = None
             self._flush_function = None
         self._accum_steps = value
@@ -358,7 +369,7 @@ class AccumModel(_Trainer, keras.Model):
     def window_length(self) -> int:
         """Micro-batches the open window (or else the last one) closes at."""
         if self._window is None:
-            return self._steps_for_now() or 1
+            return self._steps_for_now() or self._first_length()
         return read_int(self._window.counters.window_length)
 
     @property

@@ -4,6 +4,7 @@ Started in a fresh process by `test_distribute.py`, because logical devices
 and multi-worker collectives must be configured before TensorFlow starts:
 
     python _distributed_worker.py mirrored
+    python _distributed_worker.py mirrored auto
     TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
     python _distributed_worker.py built_outside_the_scope
 
@@ -124,6 +125,50 @@ def case(name, opt="adam", weighted=False, unknown_length=False, **compile):
     }
 
 
+def auto_case():
+    """`accum_steps="auto"` under the strategy: the lengths it chose,
+    replayed window by window on a single-device plain model."""
+    x, y = regression_data(n=196)
+    config = keras_accum.AutoAccumSteps(
+        min_steps=2, max_steps=8, warmup=2, smoothing=0.5, batch_fraction=4.0
+    )
+    with STRATEGY.scope():
+        accum = accum_mlp(config)
+        accum.compile(optimizer=optimizer("adam"), loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    accum.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    plain = mlp()
+    plain.compile(optimizer=optimizer("adam"), loss="mse")
+    plain = LargeBatch(plain)
+    starts = [i for _ in range(3) for i in range(0, len(x), B)]
+    position = 0
+    for update in logger.updates:
+        parts = starts[position : position + update.micro_batches]
+        position += update.micro_batches
+        rows = np.concatenate([np.arange(i, min(i + B, len(x))) for i in parts])
+        plain.train_on_batch(x[rows], y[rows])
+    diff = assert_equivalent(accum, plain)
+    counters = accum._window.counters
+    return {
+        "case": "auto",
+        "max_weight_diff": diff,
+        "lengths": [u.micro_batches for u in logger.updates],
+        "estimates": int(counters.auto_estimates.numpy()),
+        "trace": float(counters.auto_trace.numpy()),
+        "grad_sq": float(counters.auto_grad_sq.numpy()),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.model.optimizer.iterations.numpy()),
+    }
+
+
 def built_outside_the_scope():
     """A model built before the strategy's scope, compiled inside it."""
     x, y = regression_data(n=64)
@@ -140,6 +185,9 @@ def built_outside_the_scope():
 def main():
     if MODE == "built_outside_the_scope":
         print("RESULTS " + json.dumps(built_outside_the_scope()), flush=True)
+        return
+    if len(sys.argv) > 2 and sys.argv[2] == "auto":
+        print("RESULTS " + json.dumps(auto_case()), flush=True)
         return
     results = {
         "replicas": STRATEGY.num_replicas_in_sync,

@@ -53,6 +53,19 @@ def test_mirrored_strategy_two_logical_cpus(report_diff):
     _check(results, report_diff, "Mirrored, 2 CPUs")
 
 
+def test_auto_window_under_mirrored_strategy_replays_exactly(report_diff):
+    """`accum_steps="auto"` over 2 replicas: the controller steers from
+    both replicas' estimates (every replica the same length, or the step
+    would hang), and each window equals the plain model on its samples."""
+    result = run_in_fresh_process([WORKER, "mirrored", "auto"], _env())
+    report_diff(result["max_weight_diff"], "Mirrored, 2 CPUs: auto")
+    lengths = result["lengths"]
+    assert len(set(lengths[:-1])) >= 2, lengths
+    assert result["updates"] == result["plain_updates"] == len(lengths)
+    assert result["estimates"] >= 0
+    assert result["grad_sq"] != 0.0 and result["trace"] > 0.0, result
+
+
 def test_a_model_built_outside_the_scope_is_refused_naming_the_fix():
     """Before: `fit` failed with a bare `AssertionError` from inside the
     optimizer's apply (plain Keras says `Need to be inside with

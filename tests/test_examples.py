@@ -76,6 +76,24 @@ def test_mnist_equivalence_small_on_real_mnist(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_auto_window_example_draws_the_window_and_noise_scale(tmp_path):
+    if not _mnist_dir():
+        pytest.skip("real MNIST needs TFDS_DATA_DIR (.ci/run sets it)")
+    plot = tmp_path / "auto.png"
+    result = run_example(
+        "auto_window.py", "--epochs=1", "--train-images=3200", f"--plot={plot}"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    epoch = next(line for line in lines if line.startswith("epoch 1:"))
+    # 100 micro-batches in windows of 2 (the shortest, before any change).
+    assert epoch.startswith("epoch 1: 50 updates, window 2 micro-batches")
+    noise = float(epoch.split("B_simple ")[1].split()[0])
+    assert 10 < noise < 10_000, epoch
+    assert "window lengths: first 2" in result.stdout
+    assert plot.stat().st_size > 10_000
+
+
 def test_mnist_equivalence_missing_data_is_one_clear_line(tmp_path):
     env_dir = tmp_path / "empty"
     env_dir.mkdir()

@@ -29,8 +29,21 @@ COUNTERS = (
     "epoch_step",
     "window_length",
     "skipped_windows",
+    "target_length",
+    "auto_estimates",
+    "auto_trace",
+    "auto_grad_sq",
+    "auto_progress",
 )
-INTS = ("mini_step", "epoch", "epoch_step", "window_length", "skipped_windows")
+INTS = (
+    "mini_step",
+    "epoch",
+    "epoch_step",
+    "window_length",
+    "skipped_windows",
+    "target_length",
+    "auto_estimates",
+)
 
 
 def _compiled(model):
@@ -178,6 +191,37 @@ ISSUE_CASES = [
         "extra",
         lambda g: g.__setitem__("mini_steps", np.int64(2)),
         r"unknown `mini_steps`",
+    ),
+    # `accum_steps="auto"`'s controller.
+    (
+        "auto_trace",
+        lambda g: _set(g, "auto_trace", np.float32("inf")),
+        r"entry `auto_trace` = inf is outside the finite numbers",
+    ),
+    (
+        "auto_grad_sq",
+        lambda g: _set(g, "auto_grad_sq", np.float32("nan")),
+        r"entry `auto_grad_sq` = nan is outside the finite numbers",
+    ),
+    (
+        "auto_progress",
+        lambda g: _set(g, "auto_progress", np.float32(-2)),
+        r"entry `auto_progress` = -2\.0 is outside the finite numbers >= 0",
+    ),
+    (
+        "target_length",
+        lambda g: _set(g, "target_length", np.int32(0)),
+        r"entry `target_length` = 0 is outside 1\.\.",
+    ),
+    (
+        "auto_estimates",
+        lambda g: _set(g, "auto_estimates", np.int32(-1)),
+        r"entry `auto_estimates` = -1 is outside 0\.\.",
+    ),
+    (
+        "auto_trace",
+        lambda g: g.__delitem__("auto_trace"),
+        r"missing `auto_trace`",
     ),
 ]
 
