@@ -207,6 +207,13 @@ def test_tensorboard_scalars_per_update(tmp_path):
     events = tensorboard_scalars(tmp_path, "pseudo_batch_loss")
     assert events == [(u.update, pytest.approx(u.loss)) for u in logger.updates]
     assert len(events) == 4
+    # Each window's length and samples too (the second epoch's last
+    # window is 8 micro-batches in, 64 samples in all).
+    lengths = tensorboard_scalars(tmp_path, "pseudo_batch_window_length")
+    sizes = tensorboard_scalars(tmp_path, "pseudo_batch_size")
+    assert lengths == [(u.update, u.micro_batches) for u in logger.updates]
+    assert sizes == [(u.update, u.samples) for u in logger.updates]
+    assert {v for _, v in lengths} == {K}
 
 
 def test_a_callback_list_of_the_callers_own_is_left_as_it_was():

@@ -61,6 +61,7 @@ def test_every_page_exists_with_content(site):
         "guides/embeddings/index.html",
         "guides/pseudo-batch-logger/index.html",
         "guides/schedules/index.html",
+        "guides/auto/index.html",
         "guides/noise-scale/index.html",
         "guides/backends/index.html",
         "guides/fine-tuning/index.html",
@@ -76,6 +77,7 @@ def test_every_page_exists_with_content(site):
         ("guides/embeddings/index.html", "values=tf.ones((2, 2))"),
         ("guides/embeddings/index.html", "class DenseGradientModel"),
         ("guides/fine-tuning/index.html", "AccumModel.from_model(task"),
+        ("guides/auto/index.html", 'accum_steps="auto"'),
         ("guides/fine-tuning/index.html", "feedforward_output_dense/kernel"),
     ]:
         text = html.unescape(re.sub(r"<[^>]+>", "", (site / page).read_text()))
