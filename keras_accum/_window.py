@@ -11,7 +11,8 @@ pure functions of those values:
 - `is_complete`: a window closes when full, or on the epoch's last step;
 - `close`: a closing window is divided by its normalizer total and applied
   once, or skipped whole if not finite; sampled windows estimate the
-  gradient noise scale; closed windows are published for
+  gradient noise scale, from which `accum_steps="auto"` sets the next
+  windows' length (`auto.steer`); closed windows are published for
   `PseudoBatchLogger`.
 
 Each backend supplies a `WindowOps`: how its accumulators are written (in
@@ -346,7 +347,8 @@ def close(
         iterations = backend.apply(go, window_divisor(totals[0]))
     closed = Closed(totals, finite, iterations, trace, grad_sq)
     if policy.auto is not None:
-        # The controller steers every replica alike, from their mean.
+        # The controller steers every replica alike, from their mean (under
+        # `tf.distribute`, a second exchange of three scalars per update).
         packed = backend.reduce_sum(backend.each(_packed, trace, grad_sq))
         estimates = (packed[0] / packed[2], packed[1] / packed[2])
         closed = closed._replace(

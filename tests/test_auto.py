@@ -343,6 +343,34 @@ def test_scaled_learning_rates_equal_the_plain_model_given_them(
     report_diff(diff, f"auto, lr_scaling={lr_scaling!r}")
 
 
+def test_adascale_reads_a_schedule_at_its_progress(report_diff):
+    """Each update's learning rate is its gain times the schedule at the
+    sum of the gains before it: a plain SGD at learning rate 1 given that
+    product as sample weights trains the same."""
+    x, y = regression_data(n=196)
+    config = AutoAccumSteps(
+        batch_fraction=FRACTION, lr_scaling="adascale", **STEERED
+    )
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 4, 0.8)
+    accum, logger, _ = _fit_auto(
+        config, keras.optimizers.SGD(schedule, momentum=0.9), x, y, epochs=3
+    )
+    gains = np.array([u.lr_scale for u in logger.updates])
+    assert gains.max() > 1.0, gains
+    progress = np.concatenate([[0.0], np.cumsum(gains)[:-1]])
+    rates = gains * 0.05 * 0.8 ** (progress / 4)
+
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.SGD(1.0, momentum=0.9), loss="mse")
+    plain = LargeBatch(plain)
+    scaled = [
+        u._replace(lr_scale=r)
+        for u, r in zip(logger.updates, rates, strict=True)
+    ]
+    _replay(plain, x, y, scaled, epochs=3, weighted=True)
+    report_diff(assert_equivalent(accum, plain), "auto, AdaScale schedule")
+
+
 def _masked_model(model_cls=keras.Model, **kwargs):
     # `Masking`, not an embedding's mask: plain Keras on TensorFlow applies
     # Adam to an embedding's sparse gradient otherwise than to the same
