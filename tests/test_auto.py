@@ -544,9 +544,28 @@ def test_damaged_controller_state_is_refused(tmp_path):
         model.load_weights(path)
 
 
+def test_switching_to_auto_between_fits_goes_on_from_the_length():
+    x, y = regression_data(n=64)
+    model = mlp(keras_accum.AccumModel, accum_steps=16)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    model.accum_steps = AutoAccumSteps(max_steps=6)
+    # Within the new bounds: 16 becomes 6, where the controller starts.
+    assert _value(model._window.counters.target_length) == 6
+    logger = keras_accum.PseudoBatchLogger()
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[logger])
+    assert [u.micro_batches for u in logger.updates] == [6, 2]
+    model.accum_steps = 4
+    assert _value(model._window.counters.target_length) == 4
+
+
 def test_mixed_precision_estimates_leave_the_loss_scale_out():
     x, y = regression_data(n=196)
-    config = AutoAccumSteps(batch_fraction=FRACTION, **STEERED)
+    # With a learning-rate rule: the scale goes to the loss-scale
+    # optimizer's inner optimizer.
+    config = AutoAccumSteps(
+        batch_fraction=FRACTION, lr_scaling="sqrt", **STEERED
+    )
     found = {}
     for policy in ("float32", "mixed_float16"):
         keras.config.set_dtype_policy(policy)
@@ -557,6 +576,7 @@ def test_mixed_precision_estimates_leave_the_loss_scale_out():
         finally:
             keras.config.set_dtype_policy("float32")
         found[policy] = _controller(model)
+        assert max(u.lr_scale for u in logger.updates) > 1.0
     # The same estimates to float16's precision, not multiplied by the
     # loss scale (2**15) or its square.
     for name in ("auto_trace", "auto_grad_sq"):
