@@ -44,13 +44,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "auto_accum.json"
 MICRO_BATCH = 32
 
 
-def load_mnist():
-    """MNIST's train and test splits through TFDS, as float32 arrays."""
+def load_mnist(train_images=None, test_images=None):
+    """MNIST's train and test splits through TFDS, as float32 arrays (the
+    first `train_images` and `test_images` of each, if given)."""
     import tensorflow_datasets as tfds
 
+    train = "train" if train_images is None else f"train[:{train_images}]"
+    test = "test" if test_images is None else f"test[:{test_images}]"
     splits = tfds.load(
         "mnist",
-        split=["train", "test"],
+        split=[train, test],
         batch_size=-1,
         as_supervised=True,
         data_dir=os.environ.get("TFDS_DATA_DIR"),
@@ -326,6 +329,10 @@ def main():
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--auto-label", default="auto")
     parser.add_argument("--only", default=None, help="runs to do, by label")
+    parser.add_argument(
+        "--train-images", type=int, default=None, help="a smaller run"
+    )
+    parser.add_argument("--test-images", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--plot", type=Path, default=None)
@@ -333,7 +340,7 @@ def main():
     args.fixed = [int(k) for k in args.fixed.split(",") if k]
     results = json.loads(args.out.read_text()) if args.out.exists() else []
     if not (args.report or args.plot):
-        data = load_mnist()
+        data = load_mnist(args.train_images, args.test_images)
         only = None if args.only is None else args.only.split(",")
         for model_name in args.models.split(","):
             for seed in range(args.seeds):

@@ -147,3 +147,35 @@ def test_loss_scale_script_smoke(tmp_path):
     (dynamic,) = results["dynamic"]["accum"]
     assert dynamic["skipped"] == 0
     assert "| 16 |" in result.stdout
+
+
+def test_auto_accum_script_smoke(tmp_path):
+    if not os.environ.get("TFDS_DATA_DIR"):
+        pytest.skip("real MNIST needs TFDS_DATA_DIR (.ci/run sets it)")
+    out = tmp_path / "auto.json"
+    plot = tmp_path / "auto.png"
+    result = _script(
+        "bench_auto_accum.py",
+        "--models=mlp",
+        "--seeds=1",
+        "--epochs=2",
+        "--fixed=1,4",
+        "--train-images=640",
+        "--test-images=500",
+        "--target=0.5",
+        f"--out={out}",
+    )
+    rows = json.loads(out.read_text())
+    assert [r["run"] for r in rows] == ["fixed 1", "fixed 4", "ramp", "auto"]
+    by_run = {r["run"]: r for r in rows}
+    # 20 micro-batches per epoch: 40 updates at 1, 10 at 4; the ramp
+    # doubles from 1 after the first epoch (--ramp-every 2: not yet).
+    assert by_run["fixed 1"]["updates"] == 40
+    assert by_run["fixed 4"]["updates"] == 10
+    assert by_run["ramp"]["updates"] == 40
+    # "auto" starts at windows of 2, and 2 epochs are within its warmup.
+    assert by_run["auto"]["updates"] == 20
+    assert all(0 < r["final_accuracy"] <= 1 for r in rows)
+    assert "| mlp | auto | 20 |" in result.stdout
+    _script("bench_auto_accum.py", f"--out={out}", f"--plot={plot}")
+    assert plot.stat().st_size > 10_000
