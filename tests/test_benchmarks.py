@@ -179,3 +179,71 @@ def test_auto_accum_script_smoke(tmp_path):
     assert "| mlp | auto | 20 |" in result.stdout
     _script("bench_auto_accum.py", f"--out={out}", f"--plot={plot}")
     assert plot.stat().st_size > 10_000
+
+
+_BRANCHES = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+from bench_communication import collective_bytes
+mesh = Mesh(jax.devices(), ("batch",))
+x = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, P("batch")))
+replicated = NamedSharding(mesh, P())
+def in_branch(x, go):
+    return jax.lax.cond(go, lambda x: x.sum(0), lambda x: jnp.zeros(1000), x)
+def every_step(x):
+    return x.sum(0)
+print(json.dumps([
+    collective_bytes(
+        jax.jit(in_branch, out_shardings=replicated).lower(x, True).compile()
+        .as_text()
+    ),
+    collective_bytes(
+        jax.jit(every_step, out_shardings=replicated).lower(x).compile()
+        .as_text()
+    ),
+]))
+"""
+
+
+def test_communication_script_tells_branches_from_every_step(tmp_path):
+    """The HLO reading sees a sum over sharded data (4,000 bytes of
+    float32) inside a conditional's branch and outside one; the script
+    runs, and finds the plain step's gradient all-reduce."""
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _BRANCHES, str(ROOT / "benchmarks")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found == [
+        {"every_step": 0, "in_branches": 4000},
+        {"every_step": 4000, "in_branches": 0},
+    ]
+    out = tmp_path / "communication.json"
+    _script(
+        "bench_communication.py",
+        "--devices=2",
+        "--accum-steps=4",
+        f"--out={out}",
+        env={"XLA_FLAGS": ""},
+    )
+    rows = {
+        (r["variant"], r["accum_steps"]): r for r in json.loads(out.read_text())
+    }
+    assert set(rows) == {("plain", 1), ("keras_ga", 4), ("accum_model", 4)}
+    plain = rows[("plain", 1)]
+    # 256-512-512-10: 399,370 float32 weights.
+    assert plain["gradient_bytes"] == 4 * 399_370
+    assert plain["every_step"] >= plain["gradient_bytes"]
