@@ -71,8 +71,9 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     - `pseudo_batch_window_length`: the length, in micro-batches, of the
       windows that start next (`accum_steps`, its schedule's, or what
       `accum_steps="auto"` chose);
-    - `pseudo_batch_size`: the samples of the epoch's last window (NaN for
-      an epoch without updates).
+    - `pseudo_batch_size`: the effective batch of those windows, in
+      samples: their length times the epoch's mean micro-batch (NaN for an
+      epoch without updates).
 
     The first two are NaN for an epoch without updates (possible only with
     `partial_window="carry"`). The keys are added before any other callback
@@ -293,10 +294,16 @@ class PseudoBatchLogger(keras.callbacks.Callback):
             logs["pseudo_batch_loss_std"] = float("nan")
         # Counted once, by the model, when the epoch's last window closed.
         logs["pseudo_batch_skipped_windows"] = self.model._epoch_skipped_windows
-        logs["pseudo_batch_window_length"] = self._next_window_length()
+        length = self._next_window_length()
+        logs["pseudo_batch_window_length"] = length
+        # The effective batch of the windows to come: their length times
+        # the epoch's mean micro-batch.
         epoch_updates = self.updates[self._epoch_start :]
+        micro = sum(u.micro_batches for u in epoch_updates)
         logs["pseudo_batch_size"] = (
-            float(epoch_updates[-1].samples) if epoch_updates else float("nan")
+            length * sum(u.samples for u in epoch_updates) / micro
+            if micro
+            else float("nan")
         )
         if self.noise_scale:
             logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
