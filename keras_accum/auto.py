@@ -37,10 +37,14 @@ class AutoAccumSteps:
     close, sets the next windows' length to the number of micro-batches
     that reaches `batch_fraction` × B_simple, within
     `[min_steps, max_steps]`. It changes the length only when the target
-    differs from it by a factor of 1.25 or more, and by at most a factor
-    of 2 per window. All of it runs in the compiled step, with no host
-    round trip: XLA, `steps_per_execution` and `tf.distribute` (where the
-    estimate is averaged over replicas) work as with a fixed length.
+    is at least 1.25 times it (or, with `shrink`, at most 1/1.25 of it),
+    by at most a factor of 2, and only after `warmup` windows measured
+    since the last change; while the average of |G|² is not positive it
+    waits. The new length applies from the next window. All of it runs
+    in the compiled step, with no host round trip: XLA,
+    `steps_per_execution`, `keras.distribution` and `tf.distribute`
+    (where the estimates are averaged over replicas) work as with a fixed
+    length. See the guide "Choosing the window automatically".
 
     Each window stays exact: it equals a plain `keras.Model` trained on
     that window's samples as one batch. The lengths chosen are visible in
