@@ -141,6 +141,7 @@ def main(argv=None):
     # Every window measures the noise scale under "auto"; the logger
     # reads each window's estimates and logs the length it reached.
     logger = keras_accum.PseudoBatchLogger(noise_scale=True)
+    # --8<-- [end:auto]
     model.fit(
         x,
         y,
@@ -150,7 +151,6 @@ def main(argv=None):
         verbose=0,
     )
     lengths = [u.micro_batches for u in logger.updates]
-    # --8<-- [end:auto]
     print(
         f"window lengths: first {lengths[0]}, last {lengths[-1]}, "
         f"longest {max(lengths)}; {len(lengths)} updates for "
