@@ -300,7 +300,7 @@ def steer(counters, estimates, window, rate, config: AutoAccumSteps):
 def noise_scale(trace, grad_sq):
     """B_simple = tr(Σ) / |G|² from smoothed estimates (their moving
     averages' bias corrections cancel in the ratio); inf where |G|² is not
-    positive: noise dominates, and the longest window is right."""
+    positive (`steer` then waits for a positive average)."""
     trace = ops.maximum(_float(trace), 0.0)
     grad_sq = _float(grad_sq)
     positive = grad_sq > 0
