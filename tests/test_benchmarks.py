@@ -160,23 +160,23 @@ def test_auto_accum_script_smoke(tmp_path):
         "--seeds=1",
         "--epochs=2",
         "--fixed=1,4",
-        "--train-images=640",
-        "--test-images=500",
+        "--train-images=320",
+        "--test-images=200",
         "--target=0.5",
         f"--out={out}",
     )
     rows = json.loads(out.read_text())
     assert [r["run"] for r in rows] == ["fixed 1", "fixed 4", "ramp", "auto"]
     by_run = {r["run"]: r for r in rows}
-    # 20 micro-batches per epoch: 40 updates at 1, 10 at 4; the ramp
-    # doubles from 1 after the first epoch (--ramp-every 2: not yet).
-    assert by_run["fixed 1"]["updates"] == 40
-    assert by_run["fixed 4"]["updates"] == 10
-    assert by_run["ramp"]["updates"] == 40
+    # 10 micro-batches per epoch: 20 updates at 1, 6 at 4 (4, 4, 2 per
+    # epoch); the ramp doubles from 1 after the second epoch, not yet.
+    assert by_run["fixed 1"]["updates"] == 20
+    assert by_run["fixed 4"]["updates"] == 6
+    assert by_run["ramp"]["updates"] == 20
     # "auto" starts at windows of 2, and 2 epochs are within its warmup.
-    assert by_run["auto"]["updates"] == 20
+    assert by_run["auto"]["updates"] == 10
     assert all(0 < r["final_accuracy"] <= 1 for r in rows)
-    assert "| mlp | auto | 20 |" in result.stdout
+    assert "| mlp | auto | 10 |" in result.stdout
     _script("bench_auto_accum.py", f"--out={out}", f"--plot={plot}")
     assert plot.stat().st_size > 10_000
 
