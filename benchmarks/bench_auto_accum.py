@@ -283,16 +283,21 @@ def plot(results, path, auto_label):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in results})
+    models = list(dict.fromkeys(r["model"] for r in results))
+    runs = list(dict.fromkeys(r["run"] for r in results))
+    colors = {run: plt.cm.tab10(i % 10) for i, run in enumerate(runs)}
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5))
     axes = np.atleast_1d(axes)
     for ax, model in zip(axes, models, strict=True):
         mine = [r for r in results if r["model"] == model]
         for run in dict.fromkeys(r["run"] for r in mine):
             points = [r for r in mine if r["run"] == run]
-            marker = (
-                "*" if run == auto_label else ("s" if run == "ramp" else "o")
-            )
+            if run == auto_label:
+                marker = "*"
+            elif run == "ramp":
+                marker = "s"
+            else:
+                marker = "o" if run.startswith("fixed") else "^"
             size = 160 if run == auto_label else 50
             ax.scatter(
                 [p["updates"] for p in points],
@@ -300,6 +305,7 @@ def plot(results, path, auto_label):
                 label=run,
                 marker=marker,
                 s=size,
+                color=colors[run],
             )
         ax.set_xscale("log")
         ax.set_xlabel("optimizer updates (log)")
