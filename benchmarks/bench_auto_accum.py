@@ -19,6 +19,8 @@ run.
     python benchmarks/bench_auto_accum.py                  # the full run
     python benchmarks/bench_auto_accum.py --models mlp --seeds 1 --epochs 2
     python benchmarks/bench_auto_accum.py --report --plot docs/images/auto.png
+    python benchmarks/bench_auto_accum.py --models mlp --lr-scaling sqrt \
+        --auto-label "auto lr=sqrt" --only "auto lr=sqrt"  # one more run
 
 Results go to benchmarks/results/auto_accum.json (`--out`); a run adds to
 what is there, so models or seeds can be run apart.
@@ -334,7 +336,12 @@ def main():
     parser.add_argument("--smoothing", type=float, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--auto-label", default="auto")
-    parser.add_argument("--only", default=None, help="runs to do, by label")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="a run to do, by its label (repeat for several)",
+    )
     parser.add_argument(
         "--train-images", type=int, default=None, help="a smaller run"
     )
@@ -346,8 +353,15 @@ def main():
     args.fixed = [int(k) for k in args.fixed.split(",") if k]
     results = json.loads(args.out.read_text()) if args.out.exists() else []
     if not (args.report or args.plot):
+        only = args.only
+        labels = [label for label, _ in variants(args)]
+        unknown = [label for label in only or () if label not in labels]
+        if unknown:
+            raise SystemExit(
+                f"--only {unknown[0]!r} names no run; the runs are: "
+                f"{', '.join(repr(label) for label in labels)}"
+            )
         data = load_mnist(args.train_images, args.test_images)
-        only = None if args.only is None else args.only.split(",")
         for model_name in args.models.split(","):
             for seed in range(args.seeds):
                 for label, steps in variants(args):
