@@ -50,6 +50,7 @@ from _helpers import (  # noqa: E402
     assert_equivalent,
     mlp,
     regression_data,
+    replay_windows,
 )
 
 import keras_accum  # noqa: E402
@@ -148,13 +149,7 @@ def auto_case():
     plain = mlp()
     plain.compile(optimizer=optimizer("adam"), loss="mse")
     plain = LargeBatch(plain)
-    starts = [i for _ in range(3) for i in range(0, len(x), B)]
-    position = 0
-    for update in logger.updates:
-        parts = starts[position : position + update.micro_batches]
-        position += update.micro_batches
-        rows = np.concatenate([np.arange(i, min(i + B, len(x))) for i in parts])
-        plain.train_on_batch(x[rows], y[rows])
+    replay_windows(plain, x, y, logger.updates, 3, B)
     diff = assert_equivalent(accum, plain)
     counters = accum._window.counters
     return {

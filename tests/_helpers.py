@@ -504,6 +504,36 @@ def numpy_weights(model, seed=1):
     )
 
 
+def replay_windows(plain, x, y, updates, epochs, batch_size, **kwargs):
+    """Trains `plain` on each recorded update's window as one batch.
+
+    `updates` are `PseudoBatchLogger.updates` of an `AccumModel` that ran
+    `epochs` epochs of `fit(x, y, batch_size=batch_size, shuffle=False)`;
+    each takes its next `micro_batches` micro-batches, in order, as one
+    `train_on_batch`. `sample_weight` (an array over `x`) gives each
+    sample its weight; `lr_scaled=True` also multiplies it by the update's
+    `lr_scale` (for SGD the same as scaling its learning rate). Returns
+    the micro-batches left over (an open window).
+    """
+    sample_weight = kwargs.pop("sample_weight", None)
+    lr_scaled = kwargs.pop("lr_scaled", False)
+    n = len(x)
+    starts = [i for _ in range(epochs) for i in range(0, n, batch_size)]
+    position = 0
+    for update in updates:
+        parts = starts[position : position + update.micro_batches]
+        position += update.micro_batches
+        rows = np.concatenate(
+            [np.arange(i, min(i + batch_size, n)) for i in parts]
+        )
+        weights = None if sample_weight is None else sample_weight[rows]
+        if lr_scaled:
+            scale = np.full(len(rows), update.lr_scale, "float32")
+            weights = scale if weights is None else weights * scale
+        plain.train_on_batch(x[rows], y[rows], sample_weight=weights)
+    return len(starts) - position
+
+
 def tensorboard_scalars(directory, tag):
     """`(step, value)` of the scalars `tag` in the event files there."""
     import tensorflow as tf

@@ -9,7 +9,13 @@ import math
 import keras
 import numpy as np
 import pytest
-from _helpers import LargeBatch, assert_equivalent, mlp, regression_data
+from _helpers import (
+    LargeBatch,
+    assert_equivalent,
+    mlp,
+    regression_data,
+    replay_windows,
+)
 from keras import ops
 
 import keras_accum
@@ -229,29 +235,10 @@ STEERED = {"min_steps": 2, "max_steps": 8, "warmup": 2, "smoothing": 0.5}
 FRACTION = 4.0
 
 
-def _micro_batches(n, epochs):
-    return [
-        slice(i, min(i + B, n)) for _ in range(epochs) for i in range(0, n, B)
-    ]
-
-
 def _replay(plain, x, y, updates, epochs, weighted=False):
-    """Trains `plain` on each update's window of micro-batches as one batch
-    (`train_on_batch`), at the update's learning-rate scale (as sample
-    weights: for SGD the same as scaling its learning rate). Returns the
-    micro-batches left over (an open window)."""
-    micro = _micro_batches(len(x), epochs)
-    position = 0
-    for update in updates:
-        parts = micro[position : position + update.micro_batches]
-        position += update.micro_batches
-        xs = np.concatenate([x[p] for p in parts])
-        ys = np.concatenate([y[p] for p in parts])
-        weights = None
-        if weighted:
-            weights = np.full(len(xs), update.lr_scale, "float32")
-        plain.train_on_batch(xs, ys, sample_weight=weights)
-    return len(micro) - position
+    """`replay_windows` at this module's micro-batch, with the updates'
+    learning-rate scales as sample weights if `weighted`."""
+    return replay_windows(plain, x, y, updates, epochs, B, lr_scaled=weighted)
 
 
 def _fit_auto(config, optimizer, x, y, epochs, **kwargs):
@@ -425,14 +412,7 @@ def test_weighted_and_masked_windows_replay_exactly(case, report_diff):
     plain = build()
     plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     plain = LargeBatch(plain)
-    micro = _micro_batches(len(x), 3)
-    position = 0
-    for update in logger.updates:
-        parts = micro[position : position + update.micro_batches]
-        position += update.micro_batches
-        rows = np.concatenate([np.arange(len(x))[p] for p in parts])
-        sw = None if weights is None else weights[rows]
-        plain.train_on_batch(x[rows], y[rows], sample_weight=sw)
+    replay_windows(plain, x, y, logger.updates, 3, B, sample_weight=weights)
     report_diff(assert_equivalent(accum, plain), f"auto, {case}")
 
 
