@@ -265,4 +265,7 @@ PRIVATE_MEMBERS = {
     "_original_dataset": "DistributedDataset: the dataset it wraps",
     "_in_multi_worker_mode": "StrategyExtended: several workers",
     "__internal__": "tf.__internal__: strategy_supports_no_merge_call",
+    # PyTorch: one call for every accumulator (as `torch.optim` does).
+    "_foreach_add_": "torch: adds a list of tensors into another, in place",
+    "_foreach_copy_": "torch: copies a list of tensors into another",
 }

@@ -332,8 +332,14 @@ class JaxOps(_window.WindowOps):
         squares = _window.sum_of_squares(added)
         return keras.ops.where(sampled, squares, keras.ops.zeros_like(squares))
 
-    def all_finite(self):
-        return _window.all_finite(self.accumulators)
+    def all_finite(self, closing=True):
+        if closing is True:
+            return _window.all_finite(self.accumulators)
+        # The step runs the close's stages on every micro-batch; in a
+        # conditional, the others skip this pass over the accumulators.
+        return jax.lax.cond(
+            closing, _window.all_finite, _finite_anyway, self.accumulators
+        )
 
     def sum_of_squares(self):
         return _window.sum_of_squares(self.accumulators)
@@ -373,6 +379,11 @@ class JaxOps(_window.WindowOps):
             self.accumulators,
         )
         return self.optimizer_values[_iterations_index(optimizer)]
+
+
+def _finite_anyway(accumulators):
+    del accumulators
+    return jax.numpy.asarray(True)
 
 
 def _iterations_index(optimizer):

@@ -165,8 +165,17 @@ class TensorFlowOps(_window.WindowOps):
             sampled, lambda: _sum_of_squares([value], self.xla), lambda: zero
         )
 
-    def all_finite(self):
-        return _window.all_finite([acc.value for acc in self.state.acc_grads])
+    def all_finite(self, closing=True):
+        del closing  # The close runs in its conditional (`close_when`).
+        accs = [acc.value for acc in self.state.acc_grads]
+        if self.xla:
+            # One fused reduction each there, like the sums.
+            return _window.all_finite(accs)
+        return tf.cond(
+            _window.sums_finite(accs),
+            lambda: tf.constant(True),
+            lambda: _window.all_finite(accs),
+        )
 
     def sum_of_squares(self):
         squares = _sum_of_squares(
@@ -264,8 +273,8 @@ class CrossReplicaOps(_window.WindowOps):
     def add(self, grads, weight, starting, sampled, closing_divisor):
         raise NotImplementedError("a micro-batch is added in replica context")
 
-    def all_finite(self):
-        return self._replica.all_finite()
+    def all_finite(self, closing=True):
+        return self._replica.all_finite(closing)
 
     def sum_of_squares(self):
         return self._replica.sum_of_squares()

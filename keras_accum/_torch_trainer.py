@@ -21,6 +21,8 @@ import torch
 from keras_accum import _window
 from keras_accum._trainer import AccumTrainer
 
+ACC = getattr(torch, _window.ACC_DTYPE)
+
 
 class TorchAccumTrainer(AccumTrainer):
     """Accumulation for Keras's PyTorch trainer; a base of `AccumModel`."""
@@ -72,7 +74,9 @@ class TorchAccumTrainer(AccumTrainer):
             loss, y_pred, sample_weight, batch_size
         )
 
-        if not self.trainable_weights:
+        # Collected once: each `trainable_weights` walks the layers.
+        variables = self.trainable_weights
+        if not variables:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
@@ -84,16 +88,16 @@ class TorchAccumTrainer(AccumTrainer):
         # none at the update either, as in a plain step (no momentum or
         # weight decay for it).
         objective.backward()
-        grads = [v.value.grad for v in self.trainable_weights]
+        grads = [v.value.grad for v in variables]
         self._window_none_grads = [g is None for g in grads]
         gradients = [
             torch.zeros_like(v.value) if g is None else g
-            for g, v in zip(grads, self.trainable_weights, strict=True)
+            for g, v in zip(grads, variables, strict=True)
         ]
 
         # Apply: into the window, and the window once it is complete.
         with torch.no_grad():
-            backend = self._torch_ops()
+            backend = self._torch_ops(variables)
             read = window_state.read()
             counters, complete = _window.accumulate(
                 read,
@@ -107,13 +111,14 @@ class TorchAccumTrainer(AccumTrainer):
             # (finiteness) and its ring writes.
             if bool(complete):
                 counters = self._close(counters, backend)
-            window_state.write(counters, read)
+            window_state.write(counters, read, _assign_in_place)
 
         # Metrics.
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _torch_ops(self):
-        variables = self.trainable_weights
+    def _torch_ops(self, variables=None):
+        if variables is None:
+            variables = self.trainable_weights
         none_grads = self._window_none_grads or [False] * len(variables)
         return TorchOps(self._window, self.optimizer, variables, none_grads)
 
@@ -135,7 +140,7 @@ class TorchAccumTrainer(AccumTrainer):
                 read = window_state.read()
                 if bool(read.mini_step > 0):
                     counters = self._close(read, self._torch_ops())
-                    window_state.write(counters, read)
+                    window_state.write(counters, read, _assign_in_place)
 
         return flush
 
@@ -159,25 +164,33 @@ class TorchOps(_window.WindowOps):
 
     def add(self, grads, weight, starting, sampled, closing_divisor):
         del closing_divisor  # Divided in place at the close.
+        accs = self.accumulators
         first = bool(starting)
-        measure = sampled is not None and bool(sampled)
-        squares = keras.ops.zeros((), "float32")
-        for acc, grad in zip(self.accumulators, grads, strict=True):
-            grad = grad.to(acc.dtype)
-            if weight is None and first:
-                acc.copy_(grad)
-            elif weight is None:
-                acc.add_(grad)
-            elif first:
-                torch.mul(grad, weight, out=acc)
+        grads = [g.to(acc.dtype) for g, acc in zip(grads, accs, strict=True)]
+        if weight is None:
+            # One call for every accumulator: on a small model, a call per
+            # tensor from Python costs more than the adds.
+            if first:
+                torch._foreach_copy_(accs, grads)
             else:
-                acc.addcmul_(grad, weight)
-            if measure:
-                value = grad if weight is None else grad * weight
-                squares = squares + torch.sum(torch.square(value))
-        return None if sampled is None else squares
+                torch._foreach_add_(accs, grads)
+        else:
+            for acc, grad in zip(accs, grads, strict=True):
+                if first:
+                    torch.mul(grad, weight, out=acc)
+                else:
+                    acc.addcmul_(grad, weight)
+            grads = [grad * weight for grad in grads] if sampled else grads
+        if sampled is None:
+            return None
+        if not bool(sampled):
+            return torch.zeros((), dtype=ACC)
+        return _window.sum_of_squares(grads)
 
-    def all_finite(self):
+    def all_finite(self, closing=True):
+        del closing  # Only a closing window asks.
+        if bool(_window.sums_finite(self.accumulators)):
+            return torch.tensor(True)
         return _window.all_finite(self.accumulators)
 
     def sum_of_squares(self):
@@ -204,3 +217,10 @@ class TorchOps(_window.WindowOps):
             ]
             self.optimizer.apply(grads, self.variables)
         return self.optimizer.iterations.value
+
+
+def _assign_in_place(variable, value):
+    # The rules make each counter's value in its variable's dtype and
+    # shape: Keras's `assign` would convert and check it again, which on a
+    # small model costs more per step than the copies.
+    variable.value.copy_(value)

@@ -62,7 +62,8 @@ class _Recording(_window.WindowOps):
         squares = _window.sum_of_squares(added)
         return ops.where(sampled, squares, ops.zeros_like(squares))
 
-    def all_finite(self):
+    def all_finite(self, closing=True):
+        del closing  # Only a closing window asks.
         return _window.all_finite(self.accumulators)
 
     def sum_of_squares(self):
@@ -366,3 +367,73 @@ def test_a_state_reads_and_writes_its_counters():
     assert len(accumulators) == 1 and tuple(accumulators[0].shape) == (2, 3)
     assert len(state.pack(accumulators, counters)) == len(state.variables)
     assert {v.dtype for v in state.counters[4:12]} == {"int32"}
+
+
+# Every value finite, yet their sum overflows float32 (max 3.4e38).
+_OVERFLOWING = [[2e38, 2e38], [1.0, 2e38]]
+
+
+@pytest.mark.parametrize(
+    "values, sums, every",
+    [
+        ([[1.0, 2.0], [3.0]], True, True),
+        (_OVERFLOWING, False, True),
+        ([[1.0, NAN], [3.0]], False, False),
+        ([[1.0], [math.inf, -math.inf]], False, False),
+        ([[1.0], [-math.inf]], False, False),
+    ],
+)
+def test_a_finite_sum_means_every_value_is_finite(values, sums, every):
+    tensors = [ops.convert_to_tensor(v, "float32") for v in values]
+    assert bool(_window.sums_finite(tensors)) is sums
+    assert bool(_window.all_finite(tensors)) is every
+
+
+def _backend_ops(accumulators):
+    """The backend's own `WindowOps` over `accumulators`."""
+    weights = [
+        keras.Variable(np.zeros(len(a), "float32")) for a in accumulators
+    ]
+    backend = keras.backend.backend()
+    if backend == "jax":
+        from keras_accum._jax_trainer import JaxOps
+
+        values = [ops.convert_to_tensor(a, "float32") for a in accumulators]
+        return JaxOps(values, None, [w.value for w in weights], [])
+    state = _window.WindowState(weights, 1)
+    for acc, values in zip(state.acc_grads, accumulators, strict=True):
+        acc.assign(np.asarray(values, "float32"))
+    if backend == "tensorflow":
+        from keras_accum._tf_window import TensorFlowOps
+
+        return TensorFlowOps(state, None, weights, [False] * len(weights))
+    from keras_accum._torch_trainer import TorchOps
+
+    return TorchOps(state, None, weights, [False] * len(weights))
+
+
+@pytest.mark.parametrize(
+    "values, finite",
+    [
+        (_OVERFLOWING, True),
+        ([[1.0, NAN], [3.0]], False),
+        ([[1.0], [math.inf]], False),
+    ],
+)
+def test_the_backend_finds_a_window_finite_exactly(values, finite):
+    # Each backend first tests the sums, then each value where a sum is
+    # not finite: a window whose sum merely overflows is still applied (a
+    # test of the sums alone would drop it).
+    backend = _backend_ops(values)
+    assert bool(backend.all_finite()) is finite
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        assert bool(tf.function(backend.all_finite)()) is finite
+    if keras.backend.backend() == "jax":
+        import jax
+
+        # Traced with a closing flag, as the step runs it.
+        check = jax.jit(lambda closing: backend.all_finite(closing))
+        assert bool(check(True)) is finite
+        assert bool(check(False))  # Not closing: the pass is skipped.
