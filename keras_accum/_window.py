@@ -476,7 +476,13 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
     skipped = ops.logical_and(publish, ops.logical_not(closed.finite))
     for name in (*TOTALS, "mini_step"):
         value = getattr(counters, name)
-        changes[name] = ops.where(should_close, ops.zeros_like(value), value)
+        if should_close is True:
+            # Known when traced (an eager close, TensorFlow's conditional).
+            changes[name] = ops.zeros_like(value)
+        else:
+            changes[name] = ops.where(
+                should_close, ops.zeros_like(value), value
+            )
     if steering is not None:
         changes.update(_steered(counters, closed, publish, micro_steps))
     return counters._replace(
