@@ -164,6 +164,85 @@ def auto_case():
     }
 
 
+# Ops that exchange a tensor between replicas (or workers): TensorFlow's
+# collectives, which `MirroredStrategy` on CPU devices and
+# `MultiWorkerMirroredStrategy` all-reduce with.
+COLLECTIVES = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3")
+CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def collective_bytes(graph, in_branch=False, found=None):
+    """`{"every_step": bytes, "in_branches": bytes}` all-reduced by `graph`.
+
+    Every collective op's operand, in bytes, sorted by whether it runs on
+    every execution of the traced step (the step's own graph, and the
+    functions it calls unconditionally) or only inside a conditional's
+    branch (`tf.cond`, such as the window's close). Each replica issues
+    its own op: summed over them.
+    """
+    found = found or {"every_step": 0, "in_branches": 0, "ops": []}
+    functions = graph._functions
+    for op in graph.get_operations():
+        if op.type in COLLECTIVES:
+            operand = op.inputs[0]
+            size = operand.shape.num_elements() * operand.dtype.size
+            found["in_branches" if in_branch else "every_step"] += size
+            found["ops"].append([op.name, size, in_branch])
+        if op.type in ("If", "StatelessIf"):
+            names = [
+                op.get_attr(a).name for a in ("then_branch", "else_branch")
+            ]
+            for name in names:
+                collective_bytes(functions[name].graph, True, found)
+        elif op.type in CALLS:
+            name = op.get_attr("f").name
+            collective_bytes(functions[name].graph, in_branch, found)
+    return found
+
+
+def _traced_step(model):
+    """The concrete function of the step Keras traced for `fit`."""
+    pending, seen = [model.train_function], set()
+    while pending:
+        function = pending.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        if hasattr(function, "_list_all_concrete_functions"):
+            return function._list_all_concrete_functions()[-1]
+        for cell in getattr(function, "__closure__", None) or []:
+            pending.append(cell.cell_contents)
+    raise RuntimeError("no traced step found")
+
+
+def communication():
+    """What the plain step and `AccumModel`'s all-reduce, from the graph
+    each traced under the strategy."""
+    x, y = regression_data(n=64)
+    results = {}
+    # Keras 3.15's own `fit` fails under MultiWorkerMirroredStrategy
+    # (keras-team/keras#20585; `AccumModel` works around it): the plain
+    # step is read under `MirroredStrategy` only.
+    names = ("plain", "accum") if MODE == "mirrored" else ("accum",)
+    for name in names:
+        with STRATEGY.scope():
+            model = accum_mlp(K) if name == "accum" else mlp()
+            model.compile(optimizer=optimizer("adam"), loss="mse")
+        model.fit(x, y, batch_size=B, verbose=0)
+        found = collective_bytes(_traced_step(model).graph)
+        gradient = sum(
+            4 * int(np.prod(w.shape)) for w in model.trainable_weights
+        )
+        # Per replica: each of this worker's replicas issues its own op,
+        # which carries its whole operand.
+        local = len(STRATEGY.extended.worker_devices)
+        ops = found.pop("ops")
+        results[name] = {key: value / local for key, value in found.items()}
+        results[name]["ops"] = ops
+        results[name]["gradient"] = gradient
+    return results
+
+
 def built_outside_the_scope():
     """A model built before the strategy's scope, compiled inside it."""
     x, y = regression_data(n=64)
@@ -192,6 +271,7 @@ def main():
             case("adamw_weight_decay_global_clipnorm", "adamw_clip"),
             case("unknown_length_dataset", "sgd_momentum", unknown_length=True),
         ],
+        "communication": communication(),
     }
     text = json.dumps(results)
     if len(sys.argv) > 2:

@@ -34,7 +34,7 @@ def _env(**extra):
     return env
 
 
-def _check(results, report_diff, label):
+def _check(results, report_diff, label, logs=0):
     assert results["replicas"] == 2
     assert {c["case"] for c in results["cases"]} == CASES
     for case in results["cases"]:
@@ -46,11 +46,31 @@ def _check(results, report_diff, label):
         # The replicas split the data: 32 samples per window in all.
         assert case["window_samples"] == [32, 32, 6] * 2, case
         assert case["accumulator_kind"] == "SyncOnReadVariable", case
+    _check_communication(results["communication"], logs)
+
+
+def _check_communication(found, logs=0):
+    """Bytes all-reduced per replica by each traced step, read from its
+    graph (`_distributed_worker.collective_bytes`)."""
+    accum = found["accum"]
+    gradient = accum["gradient"]
+    if "plain" in found:
+        # The plain step exchanges the gradient on every micro-batch: the
+        # reading finds it (so it can fail).
+        assert found["plain"]["every_step"] >= gradient, found
+    # `AccumModel`: no gradient on a micro-batch that does not close the
+    # window; at the close, the gradient once (and the window's totals,
+    # four float32, where the strategy exchanges them by a collective).
+    # Across workers Keras averages the step's logs on every step (the
+    # loss's sum, 4 bytes, and count, 8): `logs`.
+    assert accum["every_step"] == logs, found
+    assert gradient <= accum["in_branches"] <= gradient + 16, found
 
 
 def test_mirrored_strategy_two_logical_cpus(report_diff):
     results = run_in_fresh_process([WORKER, "mirrored"], _env())
     _check(results, report_diff, "Mirrored, 2 CPUs")
+    assert "plain" in results["communication"]
 
 
 def test_auto_window_under_mirrored_strategy_replays_exactly(report_diff):
@@ -129,7 +149,10 @@ def test_multi_worker_mirrored_two_processes(tmp_path, report_diff):
     results = [json.loads(out.read_text()) for out, _ in outputs]
     for result in results:
         _check(
-            result, report_diff, f"MultiWorker, 2 processes ({elapsed:.0f}s)"
+            result,
+            report_diff,
+            f"MultiWorker, 2 processes ({elapsed:.0f}s)",
+            logs=12,
         )
     # Both workers hold the same model.
     assert [c["max_weight_diff"] for c in results[0]["cases"]] == [
