@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -571,3 +573,52 @@ def run_in_fresh_process(args, env):
     )
     assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(line[len("RESULTS ") :])
+
+
+def free_ports(n):
+    """`n` free TCP ports on 127.0.0.1."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def run_processes(runs, directory, timeout=600):
+    """Runs `python *args` for each `(args, env)` of `runs` at once, for
+    the processes of one distributed job; returns the seconds they took.
+
+    Each process's output goes to `directory/process{i}.log`; all must
+    exit with 0 within `timeout` seconds, and are killed otherwise.
+    """
+    processes, logs = [], []
+    started = time.perf_counter()
+    try:
+        for index, (args, env) in enumerate(runs):
+            log = open(Path(directory) / f"process{index}.log", "w")
+            logs.append(log)
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, *map(str, args)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = started + timeout
+        for process in processes:
+            process.wait(timeout=max(1, deadline - time.perf_counter()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+    for index, process in enumerate(processes):
+        text = (Path(directory) / f"process{index}.log").read_text()
+        assert process.returncode == 0, text[-3000:]
+    return time.perf_counter() - started

@@ -7,14 +7,10 @@ starts. The worker compares against a single-device plain `keras.Model`.
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from _helpers import run_in_fresh_process
+from _helpers import free_ports, run_in_fresh_process, run_processes
 
 pytestmark = pytest.mark.tensorflow_only(reason="tf.distribute strategies")
 
@@ -99,54 +95,21 @@ def test_a_model_built_outside_the_scope_is_refused_naming_the_fix():
     assert "dense" in message  # The weights, by path.
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def test_multi_worker_mirrored_two_processes(tmp_path, report_diff):
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    processes, outputs = [], []
-    started = time.perf_counter()
-    try:
-        for index in range(2):
-            tf_config = {
-                "cluster": cluster,
-                "task": {"type": "worker", "index": index},
-            }
-            out = tmp_path / f"worker{index}.json"
-            log = open(tmp_path / f"worker{index}.log", "w")
-            outputs.append((out, log))
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), "multi_worker", str(out)],
-                    env=_env(TF_CONFIG=json.dumps(tf_config)),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        deadline = started + 600
-        for process in processes:
-            process.wait(timeout=max(1, deadline - time.perf_counter()))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for _, log in outputs:
-            log.close()
-    elapsed = time.perf_counter() - started
-    for index, process in enumerate(processes):
-        log_text = (tmp_path / f"worker{index}.log").read_text()
-        assert process.returncode == 0, log_text[-3000:]
-    results = [json.loads(out.read_text()) for out, _ in outputs]
+    runs, outputs = [], []
+    for index in range(2):
+        tf_config = {
+            "cluster": cluster,
+            "task": {"type": "worker", "index": index},
+        }
+        out = tmp_path / f"worker{index}.json"
+        outputs.append(out)
+        env = _env(TF_CONFIG=json.dumps(tf_config))
+        runs.append(([WORKER, "multi_worker", out], env))
+    elapsed = run_processes(runs, tmp_path)
+    results = [json.loads(out.read_text()) for out in outputs]
     for result in results:
         _check(
             result,

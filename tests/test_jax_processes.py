@@ -12,17 +12,13 @@ JAX's (TensorFlow's is `MultiWorkerMirroredStrategy`, test_distribute.py).
 """
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import _jax_processes_case as case
 import keras
 import numpy as np
 import pytest
-from _helpers import LargeBatch, assert_equivalent
+from _helpers import LargeBatch, assert_equivalent, free_ports, run_processes
 
 WORKER = Path(__file__).with_name("_jax_processes_worker.py")
 
@@ -32,14 +28,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(out_dir: Path) -> float:
-    port = _free_port()
+    (port,) = free_ports(1)
     env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
@@ -47,35 +37,8 @@ def _run_two_processes(out_dir: Path) -> float:
         "TF_CPP_MIN_LOG_LEVEL": "3",
         "CUDA_VISIBLE_DEVICES": "",
     }
-    started = time.perf_counter()
-    processes, logs = [], []
-    try:
-        for process in range(2):
-            log = open(out_dir / f"process{process}.log", "w")
-            logs.append(log)
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(port), str(process)]
-                    + [str(out_dir)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        deadline = started + 600
-        for process in processes:
-            process.wait(timeout=max(1, deadline - time.perf_counter()))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for log in logs:
-            log.close()
-    for index, process in enumerate(processes):
-        text = (out_dir / f"process{index}.log").read_text()
-        assert process.returncode == 0, text[-3000:]
-    return time.perf_counter() - started
+    runs = [([WORKER, port, process, out_dir], env) for process in range(2)]
+    return run_processes(runs, out_dir)
 
 
 def test_two_processes_equal_one_process_large_batch(tmp_path, report_diff):
