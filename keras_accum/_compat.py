@@ -237,6 +237,7 @@ PRIVATE_MEMBERS = {
     "_compile_metrics": "Trainer: whether the compiled metrics are built",
     "_update_metrics_variables": "JAXTrainer: the step's metric updates",
     "_flatten_layers": "Layer: every sublayer",
+    "_seed_generators": "Layer: its random number generators",
     "_moments": "BatchNormalization: a batch's mean and variance",
     "_reduction_axes": "BatchNormalization: the axes it normalizes over",
     "_keras_history": "KerasTensor: the layer that made an input",

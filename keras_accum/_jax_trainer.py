@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import keras
 
-from keras_accum import _window
+from keras_accum import _jax_devices, _window
 from keras_accum._trainer import AccumTrainer
 
 
@@ -39,6 +39,17 @@ class JaxAccumTrainer(AccumTrainer):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
         # The window's values must be in the state handed to the first step.
         self._ensure_window()
+
+    def _create_window(self, length, close_hooks, make_variable=None):
+        axis = _jax_devices.batch_axis()
+        if axis is None:
+            return super()._create_window(length, close_hooks)
+        # Each device keeps its own partial sum (`_jax_devices`).
+        window = super()._create_window(
+            length, close_hooks, _jax_devices.partial_sum_variables(axis)
+        )
+        window.partial_sums = _jax_devices.summed_on_host
+        return window
 
     # -- State plumbing: the window rides in the optimizer slot ---------------
 
@@ -120,18 +131,27 @@ class JaxAccumTrainer(AccumTrainer):
             )
 
         # Forward pass, loss and its share of the window, and gradients.
-        grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
         values = _StepValues(non_trainable, metrics, optimizer_values, counters)
-        (_, out), grads = grad_fn(trainable, values, x, y, sample_weight)
+        data = (x, y, sample_weight)
+        if window_state.partial_sums:
+            out = self._gradients_per_device(trainable, values, data)
+        else:
+            grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
+            (_, out), grads = grad_fn(trainable, values, *data)
+            out = out._replace(grads=grads)
         non_trainable, metrics = out.non_trainable, out.metrics
 
         # Apply: into the window, and the window once it is complete.
         backend = JaxOps(
-            accumulators, self.optimizer, trainable, optimizer_values
+            accumulators,
+            self.optimizer,
+            trainable,
+            optimizer_values,
+            bool(window_state.partial_sums),
         )
         updates = optimizer_values[_iterations_index(self.optimizer)]
         counters, complete = _window.accumulate(
-            counters, backend, grads, out.share, self._plan(updates)
+            counters, backend, out.grads, out.share, self._plan(updates)
         )
         counters, applied = _window.close(
             counters, backend, complete, self._jax_close_policy(backend)
@@ -195,8 +215,10 @@ class JaxAccumTrainer(AccumTrainer):
                     i for i in keras.tree.flatten(x) if i is not None
                 ).shape[0]
                 objective, share = self._micro_batch_share(
-                    loss, y_pred, sample_weight, batch_size
+                    loss, y_pred, sample_weight, batch_size, values.device
                 )
+                if values.device is not None:
+                    loss = self._device_loss(loss, share, values.device)
         finally:
             if losses:
                 self._losses_override.clear()
@@ -207,6 +229,32 @@ class JaxAccumTrainer(AccumTrainer):
         return objective, _ObjectiveOut(
             loss, y_pred, non_trainable, metrics, share
         )
+
+    def _device_loss(self, loss, share, device):
+        """A device's part of the loss a plain step reports: summed over
+        devices and divided by the normalizer total, it is that loss."""
+        if not isinstance(share.normalizer, float):
+            return share.loss  # A mean: its value times its normalizer.
+        # A sum: with the regularization on the first device only.
+        regularization = self._regularization_loss(loss.dtype)
+        return loss - keras.ops.cast(device != 0, loss.dtype) * regularization
+
+    def _gradients_per_device(self, trainable, values, data):
+        """Each device's partial gradient, as an `_ObjectiveOut`
+        (`_jax_devices`)."""
+        axis = _jax_devices.batch_axis()
+        if not _jax_devices.maps_over_devices(self, axis, data[0]):
+            # The reduced gradient, counted on the first device.
+            grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
+            (_, out), grads = grad_fn(trainable, values, *data)
+            if out.share.weight is not None:
+                grads = [g * out.share.weight for g in grads]
+                out = out._replace(share=out.share._replace(weight=None))
+            return out._replace(grads=_jax_devices.in_first_slot(grads, axis))
+        step = _jax_devices.per_device_gradients(
+            self._jax_objective, axis, trainable, values, data
+        )
+        return _ObjectiveOut(**step._asdict())
 
     def _jax_close_policy(self, backend):
         mapping = list(
@@ -247,7 +295,11 @@ class JaxAccumTrainer(AccumTrainer):
             accumulators, counters = window_state.unpack(values)
             closing = counters.mini_step > 0
             backend = JaxOps(
-                accumulators, optimizer, trainable, optimizer_values
+                accumulators,
+                optimizer,
+                trainable,
+                optimizer_values,
+                bool(window_state.partial_sums),
             )
             counters, applied = _window.close(
                 counters, backend, closing, self._jax_close_policy(backend)
@@ -292,16 +344,20 @@ class _ObjectiveOut(NamedTuple):
     non_trainable: list
     metrics: list
     share: _window.Share
+    # Set by the step once differentiated.
+    grads: Any = None
 
 
 class _StepValues(NamedTuple):
     """The state's values a step maps onto the model's variables, besides
-    the trainable ones it differentiates."""
+    the trainable ones it differentiates; `device` is the index of the
+    device computing its own shard's gradient (`_jax_devices`), if any."""
 
     non_trainable: list
     metrics: list
     optimizer: list
     counters: _window.Counters
+    device: Any = None
 
 
 class JaxOps(_window.WindowOps):
@@ -309,13 +365,30 @@ class JaxOps(_window.WindowOps):
 
     Each operation returns or keeps new values (`accumulators`,
     `trainable`, `optimizer_values`), which the step puts in its state.
+    With `partial_sums`, each accumulator holds each device's partial sum
+    along a leading axis (`_jax_devices`), and the gradients added come
+    that way: the window's sum is theirs, taken when the window is read.
     """
 
-    def __init__(self, accumulators, optimizer, trainable, optimizer_values):
+    def __init__(
+        self,
+        accumulators,
+        optimizer,
+        trainable,
+        optimizer_values,
+        partial_sums=False,
+    ):
         self.accumulators = list(accumulators)
         self.trainable = list(trainable)
         self.optimizer_values = list(optimizer_values)
         self._optimizer = optimizer
+        self._partial_sums = partial_sums
+
+    def _sums(self, values):
+        if not self._partial_sums:
+            return list(values)
+        # Over the devices: the window's one all-reduce.
+        return [keras.ops.sum(value, axis=0) for value in values]
 
     def add(self, grads, weight, starting, sampled, closing_divisor):
         del closing_divisor  # XLA divides each accumulator in its buffer.
@@ -329,8 +402,14 @@ class JaxOps(_window.WindowOps):
         ]
         if sampled is None:
             return None
-        squares = _window.sum_of_squares(added)
-        return keras.ops.where(sampled, squares, keras.ops.zeros_like(squares))
+        if not self._partial_sums:
+            squares = _window.sum_of_squares(added)
+            return keras.ops.where(
+                sampled, squares, keras.ops.zeros_like(squares)
+            )
+        # The micro-batch's whole gradient: summed over devices only in
+        # sampled windows.
+        return self._only_if(sampled, _squares_of_sums, added)
 
     def all_finite(self, closing=True):
         if closing is True:
@@ -341,17 +420,30 @@ class JaxOps(_window.WindowOps):
             closing, _window.all_finite, _finite_anyway, self.accumulators
         )
 
-    def sum_of_squares(self):
-        return _window.sum_of_squares(self.accumulators)
+    def sum_of_squares(self, closing=True):
+        if not self._partial_sums:
+            return _window.sum_of_squares(self.accumulators)
+        return self._only_if(closing, _squares_of_sums, self.accumulators)
+
+    @staticmethod
+    def _only_if(condition, function, values):
+        """`function(values)` where `condition` holds, else zero; in a
+        conditional, so that the others skip its all-reduce."""
+        if condition is True:
+            return function(values)
+        return jax.lax.cond(condition, function, _zero_anyway, values)
 
     def gradients(self, divisor):
-        return [acc / divisor for acc in self.accumulators]
+        return [acc / divisor for acc in self._sums(self.accumulators)]
 
     def apply(self, go, divisor):
         optimizer = self._optimizer
+        partial_sums = self._partial_sums
 
         def apply(trainable, optimizer_values, accumulators):
-            window_gradients = [acc / divisor for acc in accumulators]
+            window_gradients = [
+                acc / divisor for acc in self._sums(accumulators)
+            ]
             grads = [
                 keras.ops.cast(g, value.dtype)
                 for g, value in zip(window_gradients, trainable, strict=True)
@@ -359,6 +451,10 @@ class JaxOps(_window.WindowOps):
             trainable, optimizer_values = optimizer.stateless_apply(
                 optimizer_values, grads, trainable
             )
+            if partial_sums:
+                # The devices' sums keep their shape; the next micro-batch
+                # overwrites them.
+                return trainable, optimizer_values, list(accumulators)
             # The window's gradient becomes the accumulators' value (the
             # next micro-batch overwrites it): XLA then divides each
             # accumulator into its own buffer, where a quotient of every
@@ -379,6 +475,16 @@ class JaxOps(_window.WindowOps):
             self.accumulators,
         )
         return self.optimizer_values[_iterations_index(optimizer)]
+
+
+def _squares_of_sums(values):
+    # Over the devices first: the square of the sum, not the sum of squares.
+    return _window.sum_of_squares([v.sum(axis=0) for v in values])
+
+
+def _zero_anyway(values):
+    del values
+    return jax.numpy.zeros((), _window.ACC_DTYPE)
 
 
 def _finite_anyway(accumulators):

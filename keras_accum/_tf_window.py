@@ -177,7 +177,8 @@ class TensorFlowOps(_window.WindowOps):
             lambda: _window.all_finite(accs),
         )
 
-    def sum_of_squares(self):
+    def sum_of_squares(self, closing=True):
+        del closing  # The close runs in its conditional (`close_when`).
         squares = _sum_of_squares(
             [acc.value for acc in self.state.acc_grads], self.xla
         )
@@ -276,8 +277,8 @@ class CrossReplicaOps(_window.WindowOps):
     def all_finite(self, closing=True):
         return self._replica.all_finite(closing)
 
-    def sum_of_squares(self):
-        return self._replica.sum_of_squares()
+    def sum_of_squares(self, closing=True):
+        return self._replica.sum_of_squares(closing)
 
     def gradients(self, divisor):
         return self._replica.gradients(divisor)

@@ -109,12 +109,16 @@ class AccumTrainer:
         self._window.load_rules = self._saved_window_rules
         self._window.after_load = self._assign_target_length
 
-    def _create_window(self, length, close_hooks):
+    def _create_window(self, length, close_hooks, make_variable=None):
         check_model(self)
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
+        if make_variable is None:
+            return WindowState(
+                self.trainable_weights, length, close_hooks=close_hooks
+            )
         return WindowState(
-            self.trainable_weights, length, close_hooks=close_hooks
+            self.trainable_weights, length, make_variable, close_hooks
         )
 
     def _window_close_hooks(self):
@@ -221,7 +225,9 @@ class AccumTrainer:
 
     # -- The micro-batch's share of the window --------------------------------
 
-    def _micro_batch_share(self, loss, y_pred, sample_weight, batch_size):
+    def _micro_batch_share(
+        self, loss, y_pred, sample_weight, batch_size, device=None
+    ):
         """What every backend's step differentiates and adds to the window.
 
         A mean-reduced micro-batch counts as its normalizer (samples, loss
@@ -231,6 +237,10 @@ class AccumTrainer:
         folded into the objective, so that backpropagation makes the
         weighted gradient (no pass over the gradients after it), except
         under loss scaling (below).
+
+        `device` is the index of the device whose shard of the micro-batch
+        this is, where each device computes its own gradient (JAX's
+        partial sums, `_jax_devices`); None elsewhere.
 
         Returns:
             `(objective, share)`: the micro-batch's share of the window's
@@ -252,7 +262,7 @@ class AccumTrainer:
             rule.kind, y_pred, sample_weight, batch_size
         )
         if normalizer is None:
-            objective = self._summed_objective(loss)
+            objective = self._summed_objective(loss, device)
             share = _window.Share(None, 0.0, _stopped(objective), batch_size)
         else:
             objective, share = self._averaged_objective(
@@ -262,13 +272,16 @@ class AccumTrainer:
             objective = self.optimizer.scale_loss(objective)
         return objective, share
 
-    def _summed_objective(self, loss):
+    def _summed_objective(self, loss, device=None):
         """A summed micro-batch loss: the micro-batch losses add up to the
         window's, except that each carries the regularization once: it is
-        kept on the window's first micro-batch only."""
+        kept on the window's first micro-batch only (and there on the
+        first `device` only)."""
         regularization = self._regularization_loss(loss.dtype)
-        later = ops.cast(self._window.counters.mini_step.value > 0, loss.dtype)
-        return loss - later * regularization
+        later = self._window.counters.mini_step.value > 0
+        if device is not None:
+            later = ops.logical_or(later, device != 0)
+        return loss - ops.cast(later, loss.dtype) * regularization
 
     def _averaged_objective(self, loss, normalizer, batch_size):
         """A mean-reduced micro-batch loss, weighted by `normalizer`."""

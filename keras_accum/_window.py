@@ -204,8 +204,13 @@ class WindowOps:
         """
         raise NotImplementedError
 
-    def sum_of_squares(self):
-        """The sum of the accumulators' squares, as the window summed them."""
+    def sum_of_squares(self, closing=True):
+        """The sum of the accumulators' squares, as the window summed them.
+
+        Only a closing, sampled window's answer counts (`noise_estimates`):
+        where `closing` (a boolean scalar) is false a backend may skip the
+        pass and answer anything.
+        """
         raise NotImplementedError
 
     def gradients(self, divisor) -> list:
@@ -344,7 +349,11 @@ def close(
     )
     finite, go = decide(totals, should_close, policy.scales_loss)
     # From the window as it closes, before the update; each replica's own.
-    trace, grad_sq = backend.each(noise_estimates, counters, backend, policy)
+    # (`should_close` is known on the backends whose close is conditional.)
+    closing = () if should_close is True else (should_close,)
+    trace, grad_sq = backend.each(
+        noise_estimates, counters, backend, policy, *closing
+    )
     rate = None
     if policy.auto is not None:
         rate = auto.learning_rate(
@@ -539,15 +548,18 @@ def window_divisor(normalizer_total):
 
 
 def noise_estimates(
-    counters: Counters, backend: WindowOps, policy: ClosePolicy
+    counters: Counters, backend: WindowOps, policy: ClosePolicy, closing=True
 ):
-    """`noise_statistics` in sampled windows, NaN in the others."""
+    """`noise_statistics` in sampled windows, NaN in the others; only a
+    `closing` window's count."""
     nan = ops.convert_to_tensor(float("nan"), ACC_DTYPE)
     sampled = is_sampled(counters, policy.noise_every)
     if sampled is None:
         return nan, nan
+    if sampled is not True:
+        closing = ops.logical_and(closing, sampled)
     estimates = noise_statistics(
-        counters, backend.sum_of_squares(), policy.loss_scale
+        counters, backend.sum_of_squares(closing), policy.loss_scale
     )
     return tuple(ops.where(sampled, e, nan) for e in estimates)
 

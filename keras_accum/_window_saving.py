@@ -78,9 +78,17 @@ class SavedWindow(KerasSaveable):
     `counters`, with a variable for each name in `SAVED_COUNTERS`. The
     model sets `load_rules`, a callable returning its `WindowRules`, and
     `after_load`.
+
+    Where `partial_sums` is set (JAX under a `keras.distribution`), each
+    accumulator has a leading axis of devices, each holding its partial
+    sum of the window, and `partial_sums(accumulator)` is their sum as a
+    NumPy array. The file holds that sum, the weight's shape, so that it
+    loads on any number of devices; a load puts it on the first device
+    and zeros on the others.
     """
 
     load_rules = None
+    partial_sums = None
     # Called with no arguments once a saved window has loaded: the model
     # sets the length of the windows to come from its own `accum_steps`
     # (kept from the file only under `accum_steps="auto"`).
@@ -100,6 +108,8 @@ class SavedWindow(KerasSaveable):
 
     def save_own_variables(self, store):
         for i, acc in enumerate(self.acc_grads):
+            if self.partial_sums:
+                acc = self.partial_sums(acc)
             store[f"acc_grad_{i}"] = acc
         for name in SAVED_COUNTERS:
             store[name] = getattr(self.counters, name)
@@ -115,7 +125,12 @@ class SavedWindow(KerasSaveable):
             values = check_saved_window(store, self._shapes(), self._rules())
         # Only once every entry passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
-            acc.assign(np.asarray(values[f"acc_grad_{i}"]))
+            value = np.asarray(values[f"acc_grad_{i}"])
+            if self.partial_sums:
+                value = np.concatenate(
+                    [value[None], np.zeros((acc.shape[0] - 1, *value.shape))]
+                ).astype(value.dtype)
+            acc.assign(value)
         for name in SAVED_COUNTERS:
             getattr(self.counters, name).assign(values[name])
         self.loaded_position = (
@@ -160,7 +175,8 @@ class SavedWindow(KerasSaveable):
         self._checked_file = True
 
     def _shapes(self):
-        return [tuple(acc.shape) for acc in self.acc_grads]
+        first = 1 if self.partial_sums else 0
+        return [tuple(acc.shape)[first:] for acc in self.acc_grads]
 
     def _rules(self):
         return self.load_rules() if self.load_rules else WindowRules()

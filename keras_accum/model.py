@@ -418,7 +418,10 @@ class AccumModel(_Trainer, keras.Model):
         it in place to save memory, the gradient the optimizer applied;
         see the backends guide): a window's first
         micro-batch overwrites them, which costs less memory than clearing
-        them after an update.
+        them after an update. On JAX under a `keras.distribution` whose
+        batch axis spans several devices, each has a leading axis of those
+        devices, each holding its own partial sum: the window's sum is
+        their sum over it (saved files hold that sum).
         """
         if self._window is None:
             return []

@@ -10,7 +10,9 @@ It trains a plain `keras.Model` at batch B * K and an `AccumModel` at batch
 B with `accum_steps=K` from the same weights on the same data, both under
 the same `ModelParallel`, and prints (`RESULTS {...}`) their weights after
 every update, each accumulator's sharding and its weight's, and the
-memory analysis of both compiled train steps. The test asserts, except for
+memory analysis and the bytes all-reduced (outside and inside
+conditionals' branches, `benchmarks/bench_communication.py`) of both
+compiled train steps. The test asserts, except for
 the weights' equivalence, judged here by `_helpers.assert_equivalent` (its
 float64 replay, if needed, runs under the same distribution).
 """
@@ -36,7 +38,14 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"
+    ),
+)
 from _helpers import LargeBatch, UpdateRecorder, assert_equivalent
+from bench_communication import collective_bytes
 
 import keras_accum
 
@@ -140,8 +149,10 @@ def main():
             "path": weight.path,
             "spec": str(weight.value.sharding.spec),
             "weight": str(weight.value.sharding),
-            "accumulator": str(accumulator.value.sharding),
-            "same": accumulator.value.sharding == weight.value.sharding,
+            "accumulator_spec": [
+                axis for axis in accumulator.value.sharding.spec
+            ],
+            "weight_spec": [axis for axis in weight.value.sharding.spec],
             "weight_shard_shape": list(
                 weight.value.sharding.shard_shape(weight.value.shape)
             ),
@@ -154,7 +165,7 @@ def main():
         )
     ]
     counters = [str(v.value.sharding.spec) for v in accum._window.counters]
-    memory, collectives = {}, {}
+    memory, collectives, communication = {}, {}, {}
     for name, m, batch in (("plain", plain, B * K), ("accum", accum, B)):
         compiled = compiled_step(m, x, y, batch)
         analysis = compiled.memory_analysis()
@@ -162,6 +173,7 @@ def main():
             field: int(getattr(analysis, f"{field}_size_in_bytes"))
             for field in ("argument", "output", "alias", "temp")
         }
+        communication[name] = collective_bytes(compiled.as_text())
         # The shapes each all-gather assembles (one per device).
         collectives[name] = [
             [int(d) for d in dims.split(",") if d]
@@ -186,6 +198,7 @@ def main():
         "counters": counters,
         "memory": memory,
         "collectives": collectives,
+        "communication": communication,
         "parameters": parameters,
     }
     print("RESULTS " + json.dumps(results))

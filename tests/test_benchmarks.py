@@ -236,6 +236,8 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
         "bench_communication.py",
         "--devices=2",
         "--accum-steps=4",
+        "--rounds=1",
+        "--steps=8",
         f"--out={out}",
         env={"XLA_FLAGS": ""},
     )
@@ -247,3 +249,11 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
     # 256-512-512-10: 399,370 float32 weights.
     assert plain["gradient_bytes"] == 4 * 399_370
     assert plain["every_step"] >= plain["gradient_bytes"]
+    # AccumModel's devices keep partial sums: the gradient at the close.
+    accum = rows[("accum_model", 4)]
+    assert accum["every_step"] <= 16
+    assert accum["in_branches"] >= plain["gradient_bytes"]
+    assert accum["bytes_per_sample"] < plain["bytes_per_sample"] / 3
+    # Timed: each variant against the plain model of the same run.
+    assert plain["ratio_to_plain"] == 1.0
+    assert all(r["ratio_to_plain"] > 0 for r in rows.values())

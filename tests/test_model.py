@@ -323,13 +323,15 @@ def test_jax_data_parallel_on_two_devices(report_diff):
         report_diff(diff, "JAX DataParallel, 2 devices")
         # 70 samples: windows of 4, 4 and 1 micro-batches per epoch.
         assert int(accum.optimizer.iterations) == 6
-        # The accumulators are laid out like the weights they sum.
+        # Each device keeps its partial sum: a leading axis of devices,
+        # sharded over the batch axis, then the weight's own layout.
         for accumulator, variable in zip(
             accum.accumulators, accum.trainable_variables, strict=True
         ):
-            assert str(accumulator.value.sharding) == str(
-                variable.value.sharding
-            )
+            assert tuple(accumulator.shape) == (2, *variable.shape)
+            spec = tuple(variable.value.sharding.spec)
+            spec += (None,) * (len(variable.shape) - len(spec))
+            assert tuple(accumulator.value.sharding.spec) == ("batch", *spec)
     finally:
         keras.distribution.set_distribution(None)
 

@@ -1,8 +1,10 @@
 """Accumulators laid out like their weights under `keras.distribution`.
 
 On JAX, under `ModelParallel` with a `LayoutMap`, every accumulator takes
-its weight's sharding (as Keras's optimizer slots do), so that a device
-holds the accumulator of the shard it holds, not of the whole weight. The
+its weight's sharding (as Keras's optimizer slots do), behind a leading
+axis of the `batch` axis's devices (each keeps its own partial sum), so
+that a device holds the accumulator of the shard it holds, not of the
+whole weight. The
 case runs in a fresh process with 8 simulated CPU devices in a 2 x 4 mesh
 (`_sharding_worker.py`). `keras.distribution` on TensorFlow and PyTorch,
 which Keras 3.15 accepts there but ignores, is refused.
@@ -65,17 +67,21 @@ def test_each_accumulator_is_sharded_like_its_weight(model_parallel):
         "down/bias",
     }
     for path, sharding in shardings.items():
-        assert sharding["same"], sharding
-        assert sharding["accumulator"] == sharding["weight"], path
-        assert (
-            sharding["accumulator_shard_shape"]
-            == sharding["weight_shard_shape"]
-        ), path
+        # A leading axis of the `batch` row's devices, each holding its
+        # partial sum, then the weight's own layout.
+        spec = sharding["weight_spec"]
+        spec += [None] * (len(sharding["weight_shard_shape"]) - len(spec))
+        assert sharding["accumulator_spec"] == ["batch", *spec], path
+        assert sharding["accumulator_shard_shape"] == [
+            1,
+            *sharding["weight_shard_shape"],
+        ], path
     # The LayoutMap's shards: a quarter of each sharded weight per device.
-    assert shardings["tokens/embeddings"]["accumulator_shard_shape"] == [64, 8]
-    assert shardings["up/kernel"]["accumulator_shard_shape"] == [256, 256]
-    assert shardings["down/kernel"]["accumulator_shard_shape"] == [256, 16]
-    assert shardings["up/bias"]["accumulator_shard_shape"] == [1024]
+    shapes = {p: s["accumulator_shard_shape"] for p, s in shardings.items()}
+    assert shapes["tokens/embeddings"] == [1, 64, 8]
+    assert shapes["up/kernel"] == [1, 256, 256]
+    assert shapes["down/kernel"] == [1, 256, 16]
+    assert shapes["up/bias"] == [1, 1024]
     # The window's counters, totals and rings: replicated.
     assert model_parallel["counters"]
     for spec in model_parallel["counters"]:
@@ -100,6 +106,26 @@ def test_accumulators_add_their_shard_per_device_not_the_weights(
     # No transient copy of an accumulator or weight beyond a plain step's
     # (replicated accumulators measured +0.7 P here: gathered gradients).
     assert accum["temp"] <= plain["temp"] + 0.05 * per_device
+
+
+@ON_JAX
+def test_gradient_crosses_the_batch_axis_once_per_window(model_parallel):
+    """Bytes all-reduced by the compiled steps, per device, outside and
+    inside conditionals' branches (`bench_communication.collective_bytes`)."""
+    per_device = sum(
+        p["bytes"] // p["shards"] for p in model_parallel["parameters"]
+    )
+    plain = model_parallel["communication"]["plain"]
+    accum = model_parallel["communication"]["accum"]
+    # At the close, the devices' partial sums once: each weight's shard
+    # (XLA may split a replicated bias further), and finiteness flags.
+    assert 0.9 * per_device <= accum["in_branches"] <= per_device + 64
+    # The plain step exchanges that on every step: the reading finds it.
+    assert plain["every_step"] >= accum["in_branches"]
+    # On every micro-batch, no gradient: what is left is the forward
+    # pass's reductions of activations over the model axis (the plain
+    # step's too) and the loss's share of the window (16 B).
+    assert accum["every_step"] < 0.02 * per_device, accum
 
 
 @ON_JAX

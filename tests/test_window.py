@@ -66,7 +66,7 @@ class _Recording(_window.WindowOps):
         del closing  # Only a closing window asks.
         return _window.all_finite(self.accumulators)
 
-    def sum_of_squares(self):
+    def sum_of_squares(self, closing=True):
         return _window.sum_of_squares(self.accumulators)
 
     def gradients(self, divisor):

@@ -1,0 +1,240 @@
+"""JAX under a `keras.distribution`: each device keeps its own window sum.
+
+A plain data-parallel step all-reduces the gradient on every step, and so
+would a window that sums the reduced gradients. Here each device adds the
+gradient of its own shard of the micro-batch to its own accumulator (a
+partial sum, with no communication), and the window's close sums the
+devices' accumulators once, inside the conditional that applies it: one
+gradient all-reduce per window instead of one per micro-batch.
+
+An accumulator then has a leading axis of the devices along the mesh's
+batch axis, sharded over it, and its weight's layout on the other axes:
+each device holds one accumulator per weight shard, as before.
+
+The micro-batch's forward and backward pass runs in `jax.shard_map`,
+manual over the batch axis only (a `ModelParallel` mesh's model axes stay
+with XLA), with the trainable values marked as varying over it so that
+the gradient is not reduced. Inside, a layer sees its device's shard of
+the micro-batch: models whose layers compute statistics over the batch
+(`BatchNormalization`) or draw random numbers (the draws would repeat on
+every device) take the reduced gradient instead, added to the first
+device's accumulator, as does a micro-batch that does not split evenly
+over the devices (see `maps_over_devices`). The loss's share of the window
+and the step's logs still cross devices on every step, as scalars (as
+Keras's own logs do).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import keras
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from keras_accum import _window
+
+
+class BatchAxis(NamedTuple):
+    """The devices along the distribution's batch axis.
+
+    Attributes:
+        mesh: The `jax.sharding.Mesh`.
+        name: The batch axis's name.
+        size: How many devices it spans.
+    """
+
+    mesh: Any
+    name: str
+    size: int
+
+
+def batch_axis() -> BatchAxis | None:
+    """The distribution's batch axis, where it spans several devices and
+    JAX can keep per-device values (`jax.shard_map`, `jax.lax.pcast`);
+    None elsewhere: the window then sums the reduced gradients."""
+    if not (hasattr(jax, "shard_map") and hasattr(jax.lax, "pcast")):
+        return None
+    distribution = keras.distribution.distribution()
+    name = getattr(distribution, "batch_dim_name", None)
+    if name is None:
+        return None
+    mesh = distribution.device_mesh.backend_mesh
+    size = dict(mesh.shape).get(name, 1)
+    if size < 2:
+        return None
+    return BatchAxis(mesh, name, size)
+
+
+def partial_sum_variables(axis: BatchAxis):
+    """A `make_variable` for `_window.WindowState`: accumulators with a
+    leading axis of devices, sharded over the batch axis."""
+
+    def make_variable(name, shape, dtype, like):
+        if like is None:
+            return _window._plain_variable(name, shape, dtype)
+        layout = _window.layout_like(like, shape)
+        axes = [None] * len(shape) if layout is None else list(layout.axes)
+        device_mesh = keras.distribution.distribution().device_mesh
+        return keras.Variable(
+            initializer="zeros",
+            shape=(axis.size, *shape),
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            layout=keras.distribution.TensorLayout(
+                [axis.name, *axes], device_mesh
+            ),
+        )
+
+    return make_variable
+
+
+def summed_on_host(accumulator):
+    """An accumulator's devices' partial sums, summed, as a NumPy array
+    (for saving): replicated first, so that every process can read it."""
+    value = accumulator.value
+    replicated = jax.sharding.NamedSharding(
+        value.sharding.mesh, PartitionSpec()
+    )
+    summed = jax.jit(lambda v: v.sum(axis=0), out_shardings=replicated)
+    return np.asarray(summed(value))
+
+
+def maps_over_devices(model, axis: BatchAxis, x) -> bool:
+    """Whether each device can compute its own shard's gradient.
+
+    Not where a layer computes batch statistics (`BatchNormalization`:
+    its moments would be its device's, where the plain step's are the
+    whole micro-batch's) or draws random numbers (every device would draw
+    the same), nor for a micro-batch that does not split evenly.
+    """
+    batch = next(i for i in keras.tree.flatten(x) if i is not None).shape[0]
+    if batch % axis.size:
+        return False
+    for layer in model._flatten_layers():
+        if isinstance(layer, keras.layers.BatchNormalization):
+            return False
+        if layer._seed_generators:
+            return False
+    return True
+
+
+def in_first_slot(grads, axis: BatchAxis) -> list:
+    """Reduced gradients as partial sums: on the first device, zeros on
+    the others."""
+    return [
+        keras.ops.zeros((axis.size, *g.shape), _window.ACC_DTYPE)
+        .at[0]
+        .set(keras.ops.cast(g, _window.ACC_DTYPE))
+        for g in grads
+    ]
+
+
+class DeviceStep(NamedTuple):
+    """What `per_device_gradients` returns.
+
+    Attributes:
+        grads: Each trainable weight's partial gradients, with a leading
+            axis of devices (the micro-batch's weight folded in).
+        y_pred: The micro-batch's predictions, sharded along the batch.
+        non_trainable: The non-trainable values after the forward pass.
+        metrics: The metrics' values after the loss (its trackers).
+        share: The micro-batch's `_window.Share`, summed over devices.
+        loss: The micro-batch's loss as a plain step reports it.
+    """
+
+    grads: list
+    y_pred: Any
+    non_trainable: list
+    metrics: list
+    share: _window.Share
+    loss: Any
+
+
+def per_device_gradients(objective, axis: BatchAxis, trainable, values, data):
+    """Each device's gradient of `objective` on its shard of `data`.
+
+    Args:
+        objective: The trainer's `_jax_objective(trainable, values, x, y,
+            sample_weight)`; `values` get the device's index (`device`).
+        axis: The `BatchAxis`.
+        trainable: The trainable values.
+        values: The step's other values (`_StepValues`).
+        data: `(x, y, sample_weight)`.
+
+    Returns:
+        A `DeviceStep`.
+    """
+
+    def on_device(trainable, values, data):
+        # Varying over the batch axis: the gradient stays this device's.
+        trainable = jax.lax.pcast(trainable, axis.name, to="varying")
+        values = values._replace(device=jax.lax.axis_index(axis.name))
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        (_, out), grads = grad_fn(trainable, values, *data)
+        share = out.share
+        if share.weight is not None:
+            grads = [g * keras.ops.cast(share.weight, g.dtype) for g in grads]
+        summed = jax.lax.psum(_scalars(share, out.loss), axis.name)
+        metrics = [
+            _summed_change(new, old, axis)
+            for new, old in zip(out.metrics, values.metrics, strict=True)
+        ]
+        _check_invariant(out.non_trainable, axis)
+        grads = [g[None] for g in grads]
+        return grads, out.y_pred, out.non_trainable, (metrics, summed)
+
+    batch = PartitionSpec(axis.name)
+    whole = PartitionSpec()
+    grads, y_pred, non_trainable, (metrics, summed) = jax.shard_map(
+        on_device,
+        mesh=axis.mesh,
+        in_specs=(whole, whole, batch),
+        out_specs=(batch, batch, whole, (whole, whole)),
+        axis_names={axis.name},
+    )(trainable, values, data)
+    share = _window.Share(None, summed[0], summed[1], summed[2])
+    loss = summed[3] / _window.window_divisor(summed[0])
+    return DeviceStep(grads, y_pred, non_trainable, metrics, share, loss)
+
+
+def _scalars(share: _window.Share, loss):
+    """`[normalizer, weighted loss, samples, reported loss]` of a device,
+    to sum over devices (`loss`: the trainer's `_device_loss`)."""
+    return keras.ops.stack(
+        [keras.ops.cast(v, "float32") for v in (*share[1:], loss)]
+    )
+
+
+def _summed_change(new, old, axis: BatchAxis):
+    """A metric's value with every device's change added (the loss's own
+    trackers, updated in the objective); unchanged values pass as they
+    are, with no exchange."""
+    if new is old:
+        return new
+    return old + jax.lax.psum(new - old, axis.name)
+
+
+def _varying_axes(value) -> frozenset:
+    """The mesh axes `value` varies over, inside `jax.shard_map`."""
+    aval = jax.typeof(value)
+    found = getattr(aval, "vma", None)
+    if found is None:  # JAX 0.10 moved it.
+        found = aval.mat.varying
+    return frozenset(found)
+
+
+def _check_invariant(values, axis: BatchAxis) -> None:
+    for value in values:
+        if axis.name in _varying_axes(value):
+            raise ValueError(
+                "A non-trainable variable of the model changes with the "
+                "data in the forward pass, and AccumModel's per-device "
+                "accumulation under a `keras.distribution` cannot follow "
+                "it (each device sees its own shard of the micro-batch). "
+                "Layers that compute batch statistics like "
+                "`BatchNormalization` are handled; please report this "
+                f"model. Received: a value of shape {value.shape}"
+            )
