@@ -199,8 +199,11 @@ def main():
         )
     )
     if args.distribute:
+        # Each device's partial sum of the window: one per weight shard
+        # (a leading axis over the mesh's `batch` rows).
         same = all(
-            acc.value.sharding == weight.value.sharding
+            acc.value.sharding.shard_shape(acc.shape)
+            == (1, *weight.value.sharding.shard_shape(weight.shape))
             for acc, weight in zip(
                 model.accumulators, model.trainable_variables, strict=True
             )
@@ -211,7 +214,7 @@ def main():
         )
         print(
             f"devices: {len(keras.distribution.list_devices())}, sharded "
-            f"weights: {sharded}, accumulators sharded like their weights: "
+            f"weights: {sharded}, accumulators hold their weights' shards: "
             f"{same}"
         )
     print(

@@ -16,12 +16,12 @@ manual over the batch axis only (a `ModelParallel` mesh's model axes stay
 with XLA), with the trainable values marked as varying over it so that
 the gradient is not reduced. Inside, a layer sees its device's shard of
 the micro-batch: models whose layers compute statistics over the batch
-(`BatchNormalization`) or draw random numbers (the draws would repeat on
-every device) take the reduced gradient instead, added to the first
-device's accumulator, as does a micro-batch that does not split evenly
-over the devices (see `maps_over_devices`). The loss's share of the window
-and the step's logs still cross devices on every step, as scalars (as
-Keras's own logs do).
+(`BatchNormalization`) take the reduced gradient instead, added to the
+first device's accumulator (`maps_over_devices`). Random generators'
+states are folded with the device's index, so that devices draw different
+numbers, and leave the step moved as a plain step moves them. The loss's
+share of the window, the step's logs and how far each generator moved
+still cross devices on every step, as scalars (as Keras's own logs do).
 """
 
 from __future__ import annotations
@@ -107,25 +107,38 @@ def maps_over_devices(model, axis: BatchAxis, x) -> bool:
 
     Not where a layer computes batch statistics (`BatchNormalization`:
     its moments would be its device's, where the plain step's are the
-    whole micro-batch's) or draws random numbers (every device would draw
-    the same), nor for a micro-batch that does not split evenly.
+    whole micro-batch's), nor for a micro-batch that does not split evenly
+    (Keras's data layout refuses one anyway).
     """
     batch = next(i for i in keras.tree.flatten(x) if i is not None).shape[0]
     if batch % axis.size:
         return False
-    for layer in model._flatten_layers():
-        if isinstance(layer, keras.layers.BatchNormalization):
-            return False
-        if layer._seed_generators:
-            return False
-    return True
+    return not any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        for layer in model._flatten_layers()
+    )
 
 
-def in_first_slot(grads, axis: BatchAxis) -> list:
-    """Reduced gradients as partial sums: on the first device, zeros on
-    the others."""
+def seed_states(model) -> tuple:
+    """Where the model's random generators' states sit among its
+    non-trainable variables."""
+    states = {
+        id(generator.state)
+        for layer in model._flatten_layers()
+        for generator in layer._seed_generators
+    }
+    return tuple(
+        i
+        for i, variable in enumerate(model.non_trainable_variables)
+        if id(variable) in states
+    )
+
+
+def in_first_slot(grads, slots: int) -> list:
+    """Reduced gradients as partial sums over `slots` devices: on the
+    first, zeros on the others."""
     return [
-        keras.ops.zeros((axis.size, *g.shape), _window.ACC_DTYPE)
+        keras.ops.zeros((slots, *g.shape), _window.ACC_DTYPE)
         .at[0]
         .set(keras.ops.cast(g, _window.ACC_DTYPE))
         for g in grads
@@ -153,7 +166,9 @@ class DeviceStep(NamedTuple):
     loss: Any
 
 
-def per_device_gradients(objective, axis: BatchAxis, trainable, values, data):
+def per_device_gradients(
+    objective, axis: BatchAxis, trainable, values, data, seeds=()
+):
     """Each device's gradient of `objective` on its shard of `data`.
 
     Args:
@@ -163,6 +178,7 @@ def per_device_gradients(objective, axis: BatchAxis, trainable, values, data):
         trainable: The trainable values.
         values: The step's other values (`_StepValues`).
         data: `(x, y, sample_weight)`.
+        seeds: `seed_states`: each device draws from its own stream.
 
     Returns:
         A `DeviceStep`.
@@ -171,9 +187,18 @@ def per_device_gradients(objective, axis: BatchAxis, trainable, values, data):
     def on_device(trainable, values, data):
         # Varying over the batch axis: the gradient stays this device's.
         trainable = jax.lax.pcast(trainable, axis.name, to="varying")
-        values = values._replace(device=jax.lax.axis_index(axis.name))
+        device = jax.lax.axis_index(axis.name)
+        given = values.non_trainable
+        values = values._replace(
+            device=device, non_trainable=_own_streams(given, seeds, device)
+        )
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         (_, out), grads = grad_fn(trainable, values, *data)
+        out = out._replace(
+            non_trainable=_streams_moved(
+                out.non_trainable, (given, values.non_trainable), seeds, axis
+            )
+        )
         share = out.share
         if share.weight is not None:
             grads = [g * keras.ops.cast(share.weight, g.dtype) for g in grads]
@@ -206,6 +231,31 @@ def _scalars(share: _window.Share, loss):
     return keras.ops.stack(
         [keras.ops.cast(v, "float32") for v in (*share[1:], loss)]
     )
+
+
+def _own_streams(non_trainable, seeds, device) -> list:
+    """The non-trainable values with each random generator's state folded
+    with the device's index: devices draw different numbers for their
+    shards, as the plain step draws different numbers for each sample."""
+    found = list(non_trainable)
+    for i in seeds:
+        state = found[i]
+        folded = jax.random.fold_in(state.astype("uint32"), device)
+        found[i] = folded.astype(state.dtype)
+    return found
+
+
+def _streams_moved(non_trainable, before, seeds, axis: BatchAxis) -> list:
+    """The generators' states as a plain step leaves them: moved from the
+    given state (`before[0]`) as far as each device's stream moved from
+    its folded start (`before[1]`), the same on every device (a maximum
+    over devices of two integers makes that known to JAX)."""
+    found = list(non_trainable)
+    given, folded = before
+    for i in seeds:
+        moved = jax.lax.pmax(found[i] - folded[i], axis.name)
+        found[i] = given[i] + moved
+    return found
 
 
 def _summed_change(new, old, axis: BatchAxis):

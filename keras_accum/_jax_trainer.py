@@ -243,16 +243,27 @@ class JaxAccumTrainer(AccumTrainer):
         """Each device's partial gradient, as an `_ObjectiveOut`
         (`_jax_devices`)."""
         axis = _jax_devices.batch_axis()
-        if not _jax_devices.maps_over_devices(self, axis, data[0]):
+        accumulators = self._window.acc_grads
+        slots = int(accumulators[0].shape[0]) if accumulators else 1
+        if (
+            axis is None  # The distribution was unset since.
+            or axis.size != slots
+            or not _jax_devices.maps_over_devices(self, axis, data[0])
+        ):
             # The reduced gradient, counted on the first device.
             grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
             (_, out), grads = grad_fn(trainable, values, *data)
             if out.share.weight is not None:
                 grads = [g * out.share.weight for g in grads]
                 out = out._replace(share=out.share._replace(weight=None))
-            return out._replace(grads=_jax_devices.in_first_slot(grads, axis))
+            return out._replace(grads=_jax_devices.in_first_slot(grads, slots))
         step = _jax_devices.per_device_gradients(
-            self._jax_objective, axis, trainable, values, data
+            self._jax_objective,
+            axis,
+            trainable,
+            values,
+            data,
+            _jax_devices.seed_states(self),
         )
         return _ObjectiveOut(**step._asdict())
 

@@ -72,7 +72,7 @@ class _SeededIdentity(keras.layers.Layer):
 
 
 def _with_random_draws(model_cls=keras.Model, **kwargs):
-    # Exact (it adds no noise), but its draws keep the reduced gradient.
+    # Exact (it adds no noise); each device draws from its own stream.
     keras.utils.set_random_seed(1)
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -94,6 +94,8 @@ CASES = {
     "mean_with_regularization": dict(make=_regularized),
     "loss_scale": dict(make=mlp, loss_scale=True),
     "random_draws": dict(make=_with_random_draws),
+    # Keras loops the step on the device: updates compared at the end.
+    "steps_per_execution": dict(make=mlp, compile={"steps_per_execution": 3}),
 }
 
 
@@ -112,14 +114,17 @@ def test_equals_plain_model_under_data_parallel(
     x, y = regression_data(n=70)
     loss = case.get("loss", "mse")
     plain = case["make"]()
-    plain.compile(optimizer=_optimizer(case), loss=loss)
+    compile_kwargs = case.get("compile", {})
+    plain.compile(optimizer=_optimizer(case), loss=loss, **compile_kwargs)
     accum = case["make"](keras_accum.AccumModel, accum_steps=K)
-    accum.compile(optimizer=_optimizer(case), loss=loss)
+    accum.compile(optimizer=_optimizer(case), loss=loss, **compile_kwargs)
     accum.set_weights(plain.get_weights())
     fit_kwargs = {}
     if case.get("sample_weight"):
         rng = np.random.default_rng(4)
         fit_kwargs["sample_weight"] = rng.uniform(0.1, 2, size=len(x))
+    if compile_kwargs:
+        fit_kwargs["compare_each_update"] = False
     diff, _, _ = train_pair(plain, accum, x, y, B, K, **fit_kwargs)
     report_diff(diff, f"JAX DataParallel partial sums, {name}")
     for acc, weight in zip(
@@ -290,18 +295,32 @@ def test_saved_window_loads_on_one_device_and_back(data_parallel, tmp_path):
     assert int(again._window.counters.mini_step.value) == 3
 
 
-def test_batch_statistics_and_random_draws_keep_the_reduced_gradient():
+def test_training_goes_on_once_the_distribution_is_unset(data_parallel):
+    """Partial sums made under a distribution take the reduced gradient
+    on the first device once it is unset: still the large batch."""
+    x, y = regression_data(n=64)
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accum = accum_mlp(K)
+    accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accum.set_weights(plain.get_weights())
+    reference = LargeBatch(plain)
+    for _ in range(2):
+        reference.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+        accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        keras.distribution.set_distribution(None)
+    assert int(accum.optimizer.iterations) == 4
+    assert_equivalent(accum, reference)
+
+
+def test_batch_statistics_keep_the_reduced_gradient():
     from keras_accum import _jax_devices
 
     axis = _jax_devices.BatchAxis(None, "batch", 2)
     x = np.zeros((8, 5), "float32")
     assert _jax_devices.maps_over_devices(mlp(), axis, x)
     assert not _jax_devices.maps_over_devices(mlp(), axis, x[:7])
-    assert not _jax_devices.maps_over_devices(_with_random_draws(), axis, x)
-    inputs = keras.Input((5,))
-    dropped = keras.layers.Dropout(0.5)(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(1)(dropped))
-    assert not _jax_devices.maps_over_devices(model, axis, x)
+    assert _jax_devices.maps_over_devices(_with_random_draws(), axis, x)
     inputs = keras.Input((5,))
     normalized = keras.layers.BatchNormalization()(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(normalized))
@@ -356,6 +375,72 @@ def test_no_gradient_crosses_devices_until_the_close(data_parallel):
     assert found["every_step"] <= 16, found
     # At the close: the gradient once (and the finiteness flag).
     assert gradient <= found["in_branches"] <= gradient + 16, found
+
+
+class _Noise(keras.layers.Layer):
+    """In training, uniform noise in the inputs' shape."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, inputs, training=False):
+        if not training:
+            return inputs
+        noise = keras.random.uniform(
+            keras.ops.shape(inputs), seed=self.seed_generator
+        )
+        return inputs * 0.0 + noise
+
+
+class _HalvesEqual(keras.metrics.Metric):
+    """The fraction of predictions in the batch's first half equal to the
+    same position's in its second half."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="halves_equal", **kwargs)
+        self.equal = self.add_variable(shape=(), initializer="zeros")
+        self.count = self.add_variable(shape=(), initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        half = keras.ops.shape(y_pred)[0] // 2
+        same = keras.ops.equal(y_pred[:half], y_pred[half:])
+        self.equal.assign_add(keras.ops.sum(keras.ops.cast(same, "float32")))
+        self.count.assign_add(keras.ops.cast(keras.ops.size(same), "float32"))
+
+    def result(self):
+        return self.equal / self.count
+
+
+def test_each_device_draws_its_own_random_numbers(data_parallel):
+    """The first device's shard is the micro-batch's first half: with the
+    same stream on both devices, the halves' noise would be equal. The
+    generator's state moves as one device's does."""
+    import jax
+
+    found = []
+    for distribution in (
+        keras.distribution.DataParallel(devices=jax.devices()),
+        None,
+    ):
+        keras.distribution.set_distribution(distribution)
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        noise = _Noise()(keras.layers.Dense(4)(inputs))
+        model = keras_accum.AccumModel(inputs, noise, accum_steps=K)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.0),
+            loss="mse",
+            metrics=[_HalvesEqual()],
+        )
+        x = np.ones((B * K, 4), "float32")
+        history = model.fit(x, x, batch_size=B, epochs=1, verbose=0)
+        state = model.layers[-1].seed_generator.state
+        found.append((history.history["halves_equal"][0], np.asarray(state)))
+    (distributed, state), (_, one_device_state) = found
+    assert distributed == 0.0
+    np.testing.assert_array_equal(state, one_device_state)
+    assert state[1] == K  # One draw per micro-batch.
 
 
 class _RunningMean(keras.layers.Layer):
