@@ -98,8 +98,12 @@ def summed_on_host(accumulator):
     replicated = jax.sharding.NamedSharding(
         value.sharding.mesh, PartitionSpec()
     )
-    summed = jax.jit(lambda v: v.sum(axis=0), out_shardings=replicated)
+    summed = jax.jit(_sum_over_devices, out_shardings=replicated)
     return np.asarray(summed(value))
+
+
+def _sum_over_devices(value):
+    return value.sum(axis=0)
 
 
 def maps_over_devices(model, axis: BatchAxis, x) -> bool:

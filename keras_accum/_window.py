@@ -25,7 +25,8 @@ The variables (`WindowState`) are not tracked by the model: `get_weights()`
 and weights files stay those of a plain model; the window saves itself
 (`_window_saving.SavedWindow`). Under a `keras.distribution` (JAX), each
 accumulator is laid out like its weight and the rest is replicated
-(`layout_like`).
+(`layout_like`); where the batch axis spans several devices, each keeps
+its own partial sum (`_jax_devices`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from _helpers import (
     LargeBatch,
     accum_mlp,
     assert_equivalent,
+    batch_norm_data,
+    batch_norm_model,
     mlp,
     regression_data,
     train_pair,
@@ -311,6 +313,32 @@ def test_training_goes_on_once_the_distribution_is_unset(data_parallel):
         keras.distribution.set_distribution(None)
     assert int(accum.optimizer.iterations) == 4
     assert_equivalent(accum, reference)
+
+
+def test_batch_normalization_equals_one_device(data_parallel):
+    """`AccumBatchNormalization` normalizes with the whole micro-batch's
+    moments: its model takes the reduced gradient, and trains (moving
+    statistics included) as on one device."""
+    import jax
+
+    x, y = batch_norm_data((4,), n=64)
+    found = []
+    for distribution in (
+        keras.distribution.DataParallel(devices=jax.devices()),
+        None,
+    ):
+        keras.distribution.set_distribution(distribution)
+        model = batch_norm_model(
+            keras_accum.AccumModel,
+            keras_accum.AccumBatchNormalization,
+            (4,),
+            accum_steps=K,
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+        found.append(model.get_weights())
+    for a, b in zip(*found, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_batch_statistics_keep_the_reduced_gradient():
