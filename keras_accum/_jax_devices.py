@@ -9,7 +9,7 @@ gradient all-reduce per window instead of one per micro-batch.
 
 An accumulator then has a leading axis of the devices along the mesh's
 batch axis, sharded over it, and its weight's layout on the other axes:
-each device holds one accumulator per weight shard, as before.
+each device holds one accumulator per weight shard.
 
 The micro-batch's forward and backward pass runs in `jax.shard_map`,
 manual over the batch axis only (a `ModelParallel` mesh's model axes stay
