@@ -87,7 +87,7 @@ def test_pyproject_declares_the_range_the_package_checks():
 
 # Python's own, not Keras's: `sys._getframe`, `NamedTuple._fields` and
 # `_replace`.
-_STANDARD_LIBRARY = {"_getframe", "_fields", "_replace"}
+_STANDARD_LIBRARY = {"_getframe", "_fields", "_replace", "_asdict"}
 
 
 def _private_names_in_the_package():
