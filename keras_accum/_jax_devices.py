@@ -50,10 +50,17 @@ class BatchAxis(NamedTuple):
     size: int
 
 
-def batch_axis() -> BatchAxis | None:
+def batch_axis(weights=()) -> BatchAxis | None:
     """The distribution's batch axis, where it spans several devices and
     JAX can keep per-device values (`jax.shard_map`, `jax.lax.pcast`);
-    None elsewhere: the window then sums the reduced gradients."""
+    None elsewhere: the window then sums the reduced gradients.
+
+    None too where one of `weights` is sharded over the batch axis
+    (FSDP-style layouts, such as KerasHub's Gemma `get_layout_map`): a
+    device then holds a slice of that weight, and a partial sum of the
+    whole weight would cost more memory than the reduced gradient's
+    slice, which a plain step reduce-scatters anyway.
+    """
     if not (hasattr(jax, "shard_map") and hasattr(jax.lax, "pcast")):
         return None
     distribution = keras.distribution.distribution()
@@ -62,9 +69,17 @@ def batch_axis() -> BatchAxis | None:
         return None
     mesh = distribution.device_mesh.backend_mesh
     size = dict(mesh.shape).get(name, 1)
-    if size < 2:
+    if size < 2 or any(_sharded_over(w, name) for w in weights):
         return None
     return BatchAxis(mesh, name, size)
+
+
+def _sharded_over(weight, name: str) -> bool:
+    layout = getattr(weight, "_layout", None)
+    for axis in getattr(layout, "axes", None) or ():
+        if axis == name or (isinstance(axis, tuple) and name in axis):
+            return True
+    return False
 
 
 def partial_sum_variables(axis: BatchAxis):

@@ -41,7 +41,7 @@ class JaxAccumTrainer(AccumTrainer):
         self._ensure_window()
 
     def _create_window(self, length, close_hooks, make_variable=None):
-        axis = _jax_devices.batch_axis()
+        axis = _jax_devices.batch_axis(self.trainable_weights)
         if axis is None:
             return super()._create_window(length, close_hooks)
         # Each device keeps its own partial sum (`_jax_devices`).
@@ -242,7 +242,7 @@ class JaxAccumTrainer(AccumTrainer):
     def _gradients_per_device(self, trainable, values, data):
         """Each device's partial gradient, as an `_ObjectiveOut`
         (`_jax_devices`)."""
-        axis = _jax_devices.batch_axis()
+        axis = _jax_devices.batch_axis(self.trainable_weights)
         accumulators = self._window.acc_grads
         slots = int(accumulators[0].shape[0]) if accumulators else 1
         if (

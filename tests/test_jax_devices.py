@@ -498,3 +498,40 @@ def test_state_that_follows_the_data_is_refused(data_parallel):
     x, y = regression_data(n=16)
     with pytest.raises(ValueError, match="changes with the data"):
         model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
+def test_weights_sharded_over_the_batch_axis_keep_their_layout(report_diff):
+    """FSDP-style layouts (KerasHub's Gemma `get_layout_map` shards weights
+    over the data axis too): a device holds a slice of such a weight, so
+    the accumulators keep the weights' layouts (no partial sums) and the
+    model trains as the plain one does."""
+    import jax
+
+    mesh = keras.distribution.DeviceMesh(
+        (2, 1), ["batch", "model"], jax.devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense.*kernel"] = ("batch", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    try:
+        # 4 features: both kernels' first dimension splits over 2.
+        x, y = regression_data(n=70, features=4)
+        plain = mlp(features=4)
+        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        accum = accum_mlp(K, features=4)
+        accum.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        accum.set_weights(plain.get_weights())
+        assert "batch" in str(accum.trainable_variables[0].value.sharding)
+        diff, _, _ = train_pair(plain, accum, x, y, B, K)
+        report_diff(diff, "JAX ModelParallel, weights sharded over batch")
+        for acc, weight in zip(
+            accum.accumulators, accum.trainable_variables, strict=True
+        ):
+            assert tuple(acc.shape) == tuple(weight.shape)
+            assert acc.value.sharding == weight.value.sharding
+    finally:
+        keras.distribution.set_distribution(None)
