@@ -112,8 +112,31 @@ def collective_bytes(hlo: str) -> dict:
     return totals
 
 
-def measure(variant: str, k: int, batch: int) -> tuple:
+def step_bytes(model, x, y) -> dict:
+    """`collective_bytes` of `model`'s train step (built, under the current
+    `keras.distribution`) compiled as `fit` compiles it, on `(x, y)`."""
     import jax
+    import keras
+
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=False,
+    )
+    layout = keras.distribution.distribution().get_data_layout
+    data = tuple(
+        jax.device_put(a, layout(a.shape).backend_layout) for a in (x, y)
+    )
+    step = jax.jit(
+        model.train_step,
+        out_shardings=(None, model._get_state_sharding_spec()),
+    )
+    return collective_bytes(step.lower(state, data).compile().as_text())
+
+
+def measure(variant: str, k: int, batch: int) -> tuple:
     import keras
     import numpy as np
 
@@ -138,24 +161,7 @@ def measure(variant: str, k: int, batch: int) -> tuple:
     x = rng.random((batch, 256), dtype="float32")
     y = rng.integers(0, 10, batch)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-    state = model._get_jax_state(
-        trainable_variables=True,
-        non_trainable_variables=True,
-        optimizer_variables=True,
-        metrics_variables=True,
-        purge_model_variables=False,
-    )
-    distribution = keras.distribution.distribution()
-    data = tuple(
-        jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout)
-        for a in (x, y)
-    )
-    step = jax.jit(
-        model.train_step,
-        out_shardings=(None, model._get_state_sharding_spec()),
-    )
-    hlo = step.lower(state, data).compile().as_text()
-    found = collective_bytes(hlo)
+    found = step_bytes(model, x, y)
     gradient = sum(4 * int(np.prod(v.shape)) for v in model.trainable_variables)
     return model, {
         "variant": variant,

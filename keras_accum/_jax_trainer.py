@@ -136,9 +136,7 @@ class JaxAccumTrainer(AccumTrainer):
         if window_state.partial_sums:
             out = self._gradients_per_device(trainable, values, data)
         else:
-            grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
-            (_, out), grads = grad_fn(trainable, values, *data)
-            out = out._replace(grads=grads)
+            out = self._reduced_gradients(trainable, values, data)
         non_trainable, metrics = out.non_trainable, out.metrics
 
         # Apply: into the window, and the window once it is complete.
@@ -239,6 +237,13 @@ class JaxAccumTrainer(AccumTrainer):
         regularization = self._regularization_loss(loss.dtype)
         return loss - keras.ops.cast(device != 0, loss.dtype) * regularization
 
+    def _reduced_gradients(self, trainable, values, data):
+        """The micro-batch's gradient over all devices, as an
+        `_ObjectiveOut`."""
+        grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
+        (_, out), grads = grad_fn(trainable, values, *data)
+        return out._replace(grads=grads)
+
     def _gradients_per_device(self, trainable, values, data):
         """Each device's partial gradient, as an `_ObjectiveOut`
         (`_jax_devices`)."""
@@ -251,8 +256,8 @@ class JaxAccumTrainer(AccumTrainer):
             or not _jax_devices.maps_over_devices(self, axis, data[0])
         ):
             # The reduced gradient, counted on the first device.
-            grad_fn = jax.value_and_grad(self._jax_objective, has_aux=True)
-            (_, out), grads = grad_fn(trainable, values, *data)
+            out = self._reduced_gradients(trainable, values, data)
+            grads = out.grads
             if out.share.weight is not None:
                 grads = [g * out.share.weight for g in grads]
                 out = out._replace(share=out.share._replace(weight=None))

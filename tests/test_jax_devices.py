@@ -362,29 +362,12 @@ def _step_bytes(model, batch):
     """`{"every_step", "in_branches"}`: bytes all-reduced by the compiled
     train step, outside and inside conditionals' branches
     (`benchmarks/bench_communication.py`)."""
-    import jax
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_communication import collective_bytes
+    from bench_communication import step_bytes
 
     x, y = regression_data(n=batch)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-    state = model._get_jax_state(
-        trainable_variables=True,
-        non_trainable_variables=True,
-        optimizer_variables=True,
-        metrics_variables=True,
-        purge_model_variables=False,
-    )
-    layout = keras.distribution.distribution().get_data_layout
-    data = tuple(
-        jax.device_put(a, layout(a.shape).backend_layout) for a in (x, y)
-    )
-    step = jax.jit(
-        model.train_step,
-        out_shardings=(None, model._get_state_sharding_spec()),
-    )
-    return collective_bytes(step.lower(state, data).compile().as_text())
+    return step_bytes(model, x, y)
 
 
 def test_no_gradient_crosses_devices_until_the_close(data_parallel):
