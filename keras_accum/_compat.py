@@ -269,4 +269,6 @@ PRIVATE_MEMBERS = {
     # PyTorch: one call for every accumulator (as `torch.optim` does).
     "_foreach_add_": "torch: adds a list of tensors into another, in place",
     "_foreach_copy_": "torch: copies a list of tensors into another",
+    "_foreach_div_": "torch: divides a list of tensors in place",
+    "_foreach_norm": "torch: the norms of a list of tensors",
 }

@@ -53,7 +53,6 @@ class TorchAccumTrainer(AccumTrainer):
     def train_step(self, data):
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        window_state = self._window_for_step()
 
         # Forward pass; the leftover gradients of the last step cleared.
         if self._call_has_training_arg:
@@ -68,14 +67,16 @@ class TorchAccumTrainer(AccumTrainer):
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
+        # Collected once, after the forward pass (which may build layers):
+        # each `trainable_weights` walks the layers.
+        variables = self.trainable_weights
+        window_state = self._window_for_step(variables)
 
         # Scale: the micro-batch's share of the window's loss.
         objective, share = self._micro_batch_share(
             loss, y_pred, sample_weight, batch_size
         )
 
-        # Collected once: each `trainable_weights` walks the layers.
-        variables = self.trainable_weights
         if not variables:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
@@ -89,7 +90,11 @@ class TorchAccumTrainer(AccumTrainer):
         # weight decay for it).
         objective.backward()
         grads = [v.value.grad for v in variables]
-        self._window_none_grads = [g is None for g in grads]
+        none_grads = [g is None for g in grads]
+        if none_grads != self._window_none_grads:
+            # Only when it changes: a layer's attribute costs a walk of
+            # Keras's tracking.
+            self._window_none_grads = none_grads
         gradients = [
             torch.zeros_like(v.value) if g is None else g
             for g, v in zip(grads, variables, strict=True)
@@ -189,7 +194,11 @@ class TorchOps(_window.WindowOps):
 
     def all_finite(self, closing=True):
         del closing  # Only a closing window asks.
-        if bool(_window.sums_finite(self.accumulators)):
+        # `_window.sums_finite`'s test, on norms: one call for every
+        # accumulator, and an inf or NaN still stays in the total. A large
+        # finite total may overflow, and asks for the elementwise test.
+        norms = torch._foreach_norm(self.accumulators, 2)
+        if bool(torch.isfinite(torch.stack(norms).sum())):
             return torch.tensor(True)
         return _window.all_finite(self.accumulators)
 
@@ -201,14 +210,13 @@ class TorchOps(_window.WindowOps):
         # In place: the optimizer gets the accumulators themselves, so an
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
-        for acc in self.accumulators:
-            acc.div_(divisor)
+        torch._foreach_div_(self.accumulators, divisor)
         return self.accumulators
 
     def apply(self, go, divisor):
         if bool(go):
             grads = [
-                None if none else keras.ops.cast(g, v.dtype)
+                None if none else g.to(v.value.dtype)
                 for g, v, none in zip(
                     self.gradients(divisor),
                     self.variables,

@@ -132,16 +132,22 @@ class AccumTrainer:
             layer._window_owned = True
         return [layer._close_window for layer in batch_norms]
 
-    def _window_for_step(self):
-        """The window state, checked, for a step being traced or run."""
+    def _window_for_step(self, variables=None):
+        """The window state, checked, for a step being traced or run;
+        `variables`: the trainable weights, where the step has them."""
         if self._window is None:
             # The model could not be built before tracing (e.g. its build
             # needs real data); create the state during the first trace.
             self._ensure_window()
-        if self._window_refs != [id(v) for v in self.trainable_weights]:
+        if variables is None:
+            variables = self.trainable_weights
+        if self._window_refs != [id(v) for v in variables]:
             raise ValueError(self._changed_weights_message())
-        # Read by `_checked_train_function`: the step reached the window.
-        self._window_stepped = True
+        if not self._window_stepped:
+            # Read by `_checked_train_function`: the step reached the
+            # window. (Set once: a layer's attribute costs a walk of
+            # Keras's tracking, on every eager step.)
+            self._window_stepped = True
         return self._window
 
     def _changed_weights_message(self) -> str:

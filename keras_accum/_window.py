@@ -34,9 +34,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import keras
-from keras import ops
 
 from keras_accum import _compat, auto
+from keras_accum import _scalar_ops as ops
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
