@@ -644,6 +644,11 @@ def is_sampled(counters: Counters, noise_every: int):
 
 
 def _float(value):
+    if isinstance(value, (int, float)):
+        # A static count (a batch size from JAX's or PyTorch's shapes):
+        # added to a float32 tensor it is rounded as a cast would be, and
+        # costs no tensor on PyTorch's eager step.
+        return float(value)
     return ops.cast(value, ACC_DTYPE)
 
 
