@@ -143,7 +143,7 @@ class AccumTrainer:
             variables = self.trainable_weights
         if self._window_refs != [id(v) for v in variables]:
             raise ValueError(self._changed_weights_message())
-        if not self._window_stepped:
+        if not getattr(self, "_window_stepped", False):
             # Read by `_checked_train_function`: the step reached the
             # window. (Set once: a layer's attribute costs a walk of
             # Keras's tracking, on every eager step.)

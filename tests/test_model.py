@@ -892,3 +892,33 @@ def test_weights_load_into_the_plain_model():
     # The accumulators are not weights of the model.
     assert len(accum.weights) == len(plain.weights)
     assert len(accum.accumulators) == len(accum.trainable_weights)
+
+
+@pytest.mark.skipif(
+    BACKEND == "jax", reason="JAX's train_step takes and returns its state"
+)
+def test_train_step_called_directly_before_fit_accumulates():
+    # A custom loop may call the step itself, without `fit` having made a
+    # train function first: the window still counts and applies.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = keras_accum.AccumModel(
+        inputs, keras.layers.Dense(1)(inputs), accum_steps=2
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.ones((4, 3), "float32")
+    y = np.zeros((4, 1), "float32")
+    model.build((None, 3))
+    model.optimizer.build(model.trainable_variables)
+    before = [w.copy() for w in model.get_weights()]
+    model.train_step((x, y))
+    assert model.mini_step == 1
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    model.train_step((x, y))
+    assert model.mini_step == 0
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(model.get_weights(), before, strict=True)
+    )
