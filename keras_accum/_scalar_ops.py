@@ -85,23 +85,25 @@ if keras.backend.backend() == "torch":
                 return flag, other
         return None
 
-    def logical_and(x1, x2):
+    def _logical(direct, fallback, x1, x2, absorbing: bool):
+        """`direct(x1, x2)` on two tensors; on a Python bool and a boolean
+        tensor, `absorbing` everywhere if the bool is `absorbing` (False
+        for "and", True for "or"), else the tensor."""
         if _tensors(x1, x2):
-            return torch.logical_and(x1, x2)
+            return direct(x1, x2)
         known = _known(x1, x2)
-        if known is not None:
-            flag, other = known
-            return other.clone() if flag else torch.zeros_like(other)
-        return ops.logical_and(x1, x2)
+        if known is None:
+            return fallback(x1, x2)
+        flag, other = known
+        if flag is absorbing:
+            return torch.full_like(other, absorbing)
+        return other.clone()
+
+    def logical_and(x1, x2):
+        return _logical(torch.logical_and, ops.logical_and, x1, x2, False)
 
     def logical_or(x1, x2):
-        if _tensors(x1, x2):
-            return torch.logical_or(x1, x2)
-        known = _known(x1, x2)
-        if known is not None:
-            flag, other = known
-            return torch.ones_like(other) if flag else other.clone()
-        return ops.logical_or(x1, x2)
+        return _logical(torch.logical_or, ops.logical_or, x1, x2, True)
 
     def logical_not(x):
         if isinstance(x, torch.Tensor):

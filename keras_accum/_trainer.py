@@ -48,6 +48,9 @@ class AccumTrainer:
         # Which gradients are None, fixed when the step is traced; the
         # flush reuses it.
         self._window_none_grads = None
+        # Set when the traced (or eager) step reaches the window; read by
+        # `_checked_train_function`.
+        self._window_stepped = False
         self._window_unbuilt = set()
         self._steps_per_epoch = 0
 
@@ -143,10 +146,9 @@ class AccumTrainer:
             variables = self.trainable_weights
         if self._window_refs != [id(v) for v in variables]:
             raise ValueError(self._changed_weights_message())
-        if not getattr(self, "_window_stepped", False):
-            # Read by `_checked_train_function`: the step reached the
-            # window. (Set once: a layer's attribute costs a walk of
-            # Keras's tracking, on every eager step.)
+        if not self._window_stepped:
+            # Set once: a layer's attribute costs a walk of Keras's
+            # tracking, on every eager step.
             self._window_stepped = True
         return self._window
 
