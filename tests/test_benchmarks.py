@@ -89,6 +89,31 @@ def test_backends_script_smoke(tmp_path):
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
 
 
+def test_window_positions_script_smoke(tmp_path):
+    out = tmp_path / "window_positions.json"
+    _script(
+        "bench_window_positions.py",
+        "--models=mlp",
+        "--ks=2",
+        "--windows=3",
+        "--block=2",
+        f"--out={out}",
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == [
+        "accum",
+        "keras_ga",
+        "keras_ga_whole",
+    ]
+    for row in rows:
+        assert len(row["position_ms"]) == 2
+        assert all(t > 0 for t in row["position_ms"])
+        assert row["window_ms"] == sum(row["position_ms"])
+    reference = rows[1]
+    assert reference["between_ms"] == reference["update_ms"] == 0
+    assert reference["window_ratio"] == 1
+
+
 # A measured process's arguments: the CNN as AccumModel(2, 4), one window.
 _CNN_ACCUM_4 = ("--steps=1", "--child", "cnn", "accum", "4", "2")
 
