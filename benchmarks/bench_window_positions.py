@@ -65,7 +65,7 @@ def _after_the_whole_gradient(optimizer) -> None:
 
 
 def _prepared(model_name, variant, k, ds):
-    """`(train_function, iterator)`, traced and warm, at a window's start."""
+    """`(model, iterator)`, traced and warm, at a window's start."""
     model = bt.build(model_name, variant.removesuffix("_whole"), k, False, 1)
     if variant.endswith("_whole"):
         _after_the_whole_gradient(model.optimizer)
@@ -75,7 +75,7 @@ def _prepared(model_name, variant, k, ds):
     updates = int(model.optimizer.iterations.numpy())
     if updates != 4 or getattr(model, "mini_step", 0) != 0:
         raise RuntimeError(f"{variant}: not at a window's start ({updates})")
-    return model.train_function, iter(ds)
+    return model, iter(ds)
 
 
 def run_setting(args, model_name, k):
@@ -90,13 +90,19 @@ def run_setting(args, model_name, k):
     while min(calls.values()) < args.windows * k:
         shuffle(order)
         for variant in order:
-            function, iterator = prepared[variant]
+            model, iterator = prepared[variant]
             for _ in range(args.block):
                 start = time.process_time()
-                function(iterator)
+                model.train_function(iterator)
                 spent = time.process_time() - start
                 times[variant][calls[variant] % k].append(spent * 1e3)
                 calls[variant] += 1
+    for variant, (model, _) in prepared.items():
+        # One update per k calls, at the last position: the positions are
+        # the window's.
+        updates = int(model.optimizer.iterations.numpy())
+        if updates != 4 + calls[variant] // k:
+            raise RuntimeError(f"{variant}: {updates} updates, not one per k")
     medians = {v: [statistics.median(at) for at in times[v]] for v in VARIANTS}
     return [_row(model_name, k, args, v, medians) for v in VARIANTS]
 
