@@ -24,10 +24,18 @@ from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
-from keras_accum._window_log import read_int
-from keras_accum._window_saving import WindowRules
-from keras_accum.auto import AutoAccumSteps
+from keras_accum._window_log import read_array, read_int
+from keras_accum._window_saving import WindowRules, warn_if_lora_reset
+from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 from keras_accum.layers import AccumBatchNormalization
+
+# What a recompile keeps of `"auto"`'s controller.
+KEPT_CONTROLLER = (
+    "auto_trace",
+    "auto_grad_sq",
+    "auto_estimates",
+    "target_length",
+)
 
 
 class AccumTrainer:
@@ -42,6 +50,10 @@ class AccumTrainer:
     _TRAIN_STEP_ARGS = "data"
 
     def _reset_window_state(self):
+        # `"auto"`'s controller outlives a recompile (freeze, fit, unfreeze,
+        # compile): what it learnt of the noise scale is the task's, not the
+        # optimizer's. Read before the window goes; set on the next one.
+        self._kept_controller = self._controller_values()
         self._window = None
         self._window_refs = None
         self._flush_function = None
@@ -109,8 +121,9 @@ class AccumTrainer:
             id(layer) for layer in self._flatten_layers() if not layer.built
         }
         self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
+        self._restore_controller()
         self._window.load_rules = self._saved_window_rules
-        self._window.after_load = self._assign_target_length
+        self._window.after_load = self._after_window_load
 
     def _create_window(self, length, close_hooks, make_variable=None):
         check_model(self)
@@ -192,12 +205,57 @@ class AccumTrainer:
         steps = self._accum_steps
         return steps if isinstance(steps, AutoAccumSteps) else None
 
+    def _controller_values(self) -> dict | None:
+        """`"auto"`'s moving averages, its windows measured since the last
+        change and the length it reached; None without a controller."""
+        window = getattr(self, "_window", None)
+        if window is None or self._auto() is None:
+            return getattr(self, "_kept_controller", None)
+        counters = window.counters
+        return {
+            name: read_array(getattr(counters, name))
+            for name in KEPT_CONTROLLER
+        }
+
+    def _restore_controller(self) -> None:
+        """Sets a new window's controller to the one a recompile dropped
+        (AdaScale's progress restarts with the optimizer's update count).
+        """
+        kept, self._kept_controller = self._kept_controller, None
+        auto = self._auto()
+        if kept is None or auto is None:
+            return
+        counters = self._window.counters
+        for name, value in kept.items():
+            getattr(counters, name).assign(value)
+        length = self._first_length_of(kept, auto)
+        counters.target_length.assign(length)
+        counters.window_length.assign(length)
+
     def _first_length(self) -> int:
         """A new window state's first length where `_steps_for_now` has
         none: `"auto"`'s shortest, else 1 (a callable's is set in the
         step)."""
         auto = self._auto()
-        return 1 if auto is None else auto.min_steps
+        if auto is None:
+            return 1
+        kept = getattr(self, "_kept_controller", None)
+        if kept is None:
+            return auto.min_steps
+        return self._first_length_of(kept, auto)
+
+    @staticmethod
+    def _first_length_of(kept: dict, auto: AutoAccumSteps) -> int:
+        """The length a recompile's controller goes on from: the one it
+        reached, within the (possibly new) bounds."""
+        reached = int(kept["target_length"])
+        return min(max(reached, auto.min_steps), auto.max_steps)
+
+    def _after_window_load(self):
+        self._assign_target_length()
+        warn_if_lora_reset(
+            self._flatten_layers(), self.trainable_variables, self._window
+        )
 
     def _assign_target_length(self):
         if self._window is None:
@@ -444,6 +502,13 @@ class AccumTrainer:
             raise TypeError(message) from error
         if steps < 1 or steps != int(steps):
             raise ValueError(message)
+        if steps > MAX_STEPS:
+            raise ValueError(
+                f"An `accum_steps` callable must return at most {MAX_STEPS} "
+                "(2**31 - 1: the window counts in int32). Received: "
+                f"accum_steps={self._accum_steps!r} returning {value!r} at "
+                f"update {updates}"
+            )
 
     def _set_noise_scale_every(self, every: int) -> None:
         # Part of the traced step: a change retraces it once.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from keras_accum.auto import AutoAccumSteps
+from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 
 PARTIAL_WINDOW_MODES = ("apply", "carry")
 
@@ -23,6 +23,13 @@ def check_accum_steps(accum_steps: object) -> int:
     if accum_steps < 1:
         raise ValueError(
             "`accum_steps` must be an integer >= 1. "
+            f"Received: accum_steps={accum_steps!r}"
+        )
+    if accum_steps > MAX_STEPS:
+        # The window counts its micro-batches in int32 on every backend.
+        raise ValueError(
+            f"`accum_steps` must be at most {MAX_STEPS} (2**31 - 1: the "
+            "window counts its micro-batches as int32). "
             f"Received: accum_steps={accum_steps!r}"
         )
     return int(accum_steps)

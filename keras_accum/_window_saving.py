@@ -21,6 +21,7 @@ import warnings
 import zipfile
 from typing import NamedTuple
 
+import keras
 import numpy as np
 
 from keras_accum._compat import KerasSaveable
@@ -125,6 +126,8 @@ class SavedWindow(KerasSaveable):
             values = check_saved_window(store, self._shapes(), self._rules())
         # Only once every entry passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
+            if f"acc_grad_{i}" not in values:
+                break  # a closed window of another trainable set
             value = np.asarray(values[f"acc_grad_{i}"])
             if self.partial_sums:
                 value = np.concatenate(
@@ -195,34 +198,49 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     Returns:
         A dict from entry name to its value: the accumulators as `store`
         gives them (an H5 dataset is not read), the rest as NumPy arrays.
+        Where the accumulators do not match the loading model's trainable
+        weights and the window was closed, without the accumulators (and
+        with a `UserWarning`).
 
     Raises:
         ValueError: if an entry is missing or unknown, has another dtype or
             shape than this release saves, or a value training cannot
-            produce. The message names the entry, its value and, where
-            Keras tells, the file.
+            produce; or the window was open and its accumulators do not
+            match the trainable weights. The message names the entry, its
+            value and, where Keras tells, the file.
     """
     if where is None:
         where = _where(store)
-    expected = [f"acc_grad_{i}" for i in range(len(shapes))]
-    expected += SAVED_COUNTERS
     keys = [str(key) for key in store.keys()]
-    _check_keys(keys, expected, len(shapes), where)
+    saved = [key for key in keys if _is_accumulator(key)]
+    _check_keys([key for key in keys if key not in saved], where)
     values = {}
-    for i, shape in enumerate(shapes):
-        name = f"acc_grad_{i}"
-        values[name] = _read(store, name, ("float32",), shape, where)
     for name in (*SAVED_TOTALS, *SAVED_CONTROLLER):
         values[name] = _read(store, name, ("float32",), (), where)
     for name in SAVED_INTS:
         values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
     _check_values(values, rules, where)
+    expected = [f"acc_grad_{i}" for i in range(len(shapes))]
+    mismatch = _trainable_mismatch(store, saved, expected, shapes)
+    if mismatch:
+        _trainable_set_changed(mismatch, int(values["mini_step"]), where)
+        # A closed window: the next micro-batch overwrites the
+        # accumulators, which are left as they are.
+        return values
+    for name, shape in zip(expected, shapes, strict=True):
+        values[name] = _read(store, name, ("float32",), shape, where)
     return values
 
 
-def _check_keys(keys, expected, accumulators, where):
-    missing = [key for key in expected if key not in keys]
-    unknown = sorted(key for key in keys if key not in expected)
+def _is_accumulator(key):
+    return key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
+
+
+def _check_keys(keys, where):
+    """The saved counters, each present, and no entry this release does
+    not write."""
+    missing = [key for key in SAVED_COUNTERS if key not in keys]
+    unknown = sorted(key for key in keys if key not in SAVED_COUNTERS)
     if not missing and not unknown:
         return
     parts = []
@@ -230,20 +248,75 @@ def _check_keys(keys, expected, accumulators, where):
         parts.append(f"missing {_names(missing)}")
     if unknown:
         parts.append(f"unknown {_names(unknown)}")
-    found = ", ".join(parts)
-    saved = sum(
-        key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
-        for key in keys
-    )
-    if saved != accumulators:
-        raise ValueError(
-            f"The saved accumulation window{where} holds {saved} gradient "
-            f"accumulators but this model has {accumulators} trainable "
-            f"weights ({found}); load it into the same architecture."
-        )
     raise ValueError(
         f"The saved accumulation window{where} does not have the entries "
-        f"this version of keras-accum saves: {found}. {_REMEDY}"
+        f"this version of keras-accum saves: {', '.join(parts)}. {_REMEDY}"
+    )
+
+
+def _trainable_mismatch(store, saved, expected, shapes):
+    """How the saved accumulators differ from the loading model's
+    trainable weights, for messages; empty where they match."""
+    parts = []
+    missing = [key for key in expected if key not in saved]
+    unknown = sorted(key for key in saved if key not in expected)
+    if missing:
+        parts.append(f"missing {_names(missing)}")
+    if unknown:
+        parts.append(f"unknown {_names(unknown)}")
+    for name, shape in zip(expected, shapes, strict=True):
+        if name in saved:
+            found = tuple(getattr(store[name], "shape", np.shape(store[name])))
+            if found != tuple(shape):
+                parts.append(
+                    f"`{name}` of shape {found} where this model's is "
+                    f"{tuple(shape)}"
+                )
+    if not parts:
+        return ""
+    if len(parts) > 3:
+        parts[3:] = [f"{len(parts) - 3} more differences"]
+    return (
+        f"{len(saved)} gradient accumulators where this model has "
+        f"{len(expected)} trainable weights ({'; '.join(parts)})"
+    )
+
+
+def _trainable_set_changed(mismatch, mini_step, where):
+    """Warns where the window was closed (its accumulators are stale: the
+    next micro-batch overwrites them); raises where it was open."""
+    causes = (
+        "A KerasHub backbone with LoRA enabled (`enable_lora`) reloads "
+        "without LoRA, since its config does not record it: Keras folded "
+        "the LoRA update into each kernel when it saved, so the loaded "
+        "model computes what the saved one did, with its whole kernels "
+        "trainable. Layers frozen or unfrozen since the save, or a model "
+        "of another architecture, change the trainable set too."
+    )
+    if mini_step == 0:
+        warnings.warn(
+            f"The saved accumulation window{where} holds {mismatch}: the "
+            "trainable weights changed since the file was saved. The "
+            "window was closed (no micro-batch waiting to be applied), so "
+            "nothing is lost: its counters load and the next window "
+            f"starts afresh. {causes} To train LoRA only again, call "
+            "`enable_lora(rank)` on the loaded backbone and compile.",
+            stacklevel=5,
+        )
+        return
+    raise ValueError(
+        f"The saved accumulation window{where} is open ({mini_step} "
+        f"micro-batch{'' if mini_step == 1 else 'es'} not yet applied) and "
+        f"holds {mismatch}: the "
+        "trainable weights changed since the file was saved, so its "
+        f"gradients cannot be matched to this model's weights. {causes} "
+        "Ways on: rebuild the model as it was trained (`enable_lora(rank)` "
+        "on the backbone, the same `trainable` flags), compile it and "
+        "`load_weights()` the file into it; or, in the run that saves, "
+        "call `apply_partial_window()` before saving, so that the file "
+        "holds no open window. To keep the weights and drop the window, "
+        "load the file into the equivalent plain `keras.Model` with "
+        "`load_weights()`."
     )
 
 
@@ -271,6 +344,55 @@ def _read(store, name, dtypes, shape, where):
             "into the same architecture."
         )
     return value
+
+
+def warn_if_lora_reset(layers, trainable_variables, window) -> None:
+    """Warns where a load left LoRA factors at zero while the open window
+    it restored holds gradients for them.
+
+    Keras saves a LoRA layer's kernel with the LoRA update folded in and,
+    on loading, sets the factors to zero (`Dense.load_own_variables`): the
+    window's gradients then belong to factors that no longer exist, and
+    training goes on differently from an uninterrupted run, as a plain
+    model resumed the same way does. Run after the window loaded.
+    """
+    mini_step = int(_numpy(window.counters.mini_step))
+    if mini_step == 0:
+        return
+    index = {id(v): i for i, v in enumerate(trainable_variables)}
+    reset = []
+    for layer in layers:
+        if not getattr(layer, "lora_enabled", False):
+            continue
+        factors = [
+            v
+            for v in layer.trainable_weights
+            if v.name.startswith("lora_") and id(v) in index
+        ]
+        if not factors or any(np.any(_numpy(v)) for v in factors):
+            continue
+        if any(np.any(_numpy(window.acc_grads[index[id(v)]])) for v in factors):
+            reset.append(layer.path)
+    if reset:
+        warnings.warn(
+            f"The LoRA factors of {', '.join(map(repr, reset))} are zero "
+            "after loading, while the accumulation window loaded with them "
+            f"is open ({mini_step} micro-batch{'' if mini_step == 1 else 'es'} "
+            "not yet applied) and holds "
+            "their gradients: Keras folds the LoRA update into the kernel "
+            "when it saves weights and sets the factors to zero when it "
+            "loads them. Training from here differs from an uninterrupted "
+            "run (as a plain `keras.Model` resumed this way does), and the "
+            "factors, both zero, get no gradient again. Checkpoint LoRA "
+            "training at window ends (`apply_partial_window()` before "
+            "saving) and keep the adapters with KerasHub's "
+            "`save_lora_weights()`; see the fine-tuning guide.",
+            stacklevel=2,
+        )
+
+
+def _numpy(variable):
+    return keras.ops.convert_to_numpy(variable.value)
 
 
 def _check_values(values, rules, where):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -15,6 +16,9 @@ import keras
 from keras import ops
 
 LR_SCALINGS = (None, "sqrt", "linear", "adascale")
+# The longest window: its length and micro-batch counts are int32 in the
+# step on every backend.
+MAX_STEPS = 2**31 - 1
 # A new length must differ from the current one by this factor (or more)
 # before the window changes: a smoothed estimate that wobbles around a
 # length does not make it flip back and forth.
@@ -119,7 +123,7 @@ class AutoAccumSteps:
             "batch_fraction": _number(
                 "batch_fraction",
                 self.batch_fraction,
-                "a positive number",
+                "a positive, finite number",
                 (0.0, None),
             ),
             "smoothing": _number(
@@ -158,14 +162,24 @@ def _integer(name, value, least):
             f"`{name}` must be an integer >= {least}. "
             f"Received: {name}={value!r}"
         )
+    if value > MAX_STEPS:
+        raise ValueError(
+            f"`{name}` must be at most {MAX_STEPS} (2**31 - 1: the window "
+            f"counts in int32). Received: {name}={value!r}"
+        )
     return int(value)
 
 
 def _number(name, value, allowed, bounds):
-    """`value` as a float where `above < value` and `0 <= value < below`
-    (`bounds`, either None for no bound), else raises."""
+    """`value` as a finite float where `above < value` and
+    `0 <= value < below` (`bounds`, either None for no bound), else
+    raises."""
     above, below = bounds
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(value)
+    )
     if ok:
         ok = (above is None or value > above) and (
             below is None or 0 <= value < below

@@ -174,10 +174,11 @@ class AccumModel(_Trainer, keras.Model):
     `keras.Model`'s; `PseudoBatchLogger` adds the per-epoch count.
 
     Args:
-        accum_steps: Integer >= 1, a dict `{epoch: steps}`, a callable
-            of the update count, or `"auto"` / an `AutoAccumSteps`.
-            Micro-batches per optimizer update. Defaults to `1` (one
-            update per batch, as `keras.Model`).
+        accum_steps: Integer from 1 to 2**31 - 1 (the window counts in
+            int32), a dict `{epoch: steps}`, a callable of the update
+            count, or `"auto"` / an `AutoAccumSteps`. Micro-batches per
+            optimizer update. Defaults to `1` (one update per batch, as
+            `keras.Model`).
         partial_window: `"apply"` or `"carry"`. What happens to a window
             still open when an epoch ends: `"apply"` applies it then,
             `"carry"` continues it into the next epoch. Defaults to
@@ -188,7 +189,8 @@ class AccumModel(_Trainer, keras.Model):
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
             dict, a callable, `"auto"` or an `AutoAccumSteps`.
-        ValueError: If `accum_steps < 1`, an epoch schedule has no epoch 0
+        ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`, an
+            epoch schedule has no epoch 0
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.

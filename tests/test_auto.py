@@ -199,6 +199,22 @@ def test_scaled_learning_rate_reads_a_schedule_at_the_progress():
         ({"warmup": 0}, r"`warmup` must be an integer >= 1"),
         ({"lr_scaling": "cubic"}, r"`lr_scaling` must be one of .*'cubic'"),
         ({"max_steps": True}, r"`max_steps` must be an integer"),
+        # Window lengths and counts are int32 in the step: 2**31 wrapped
+        # to -2**31 on TensorFlow, and overflowed on JAX and PyTorch.
+        (
+            {"min_steps": 2**31, "max_steps": 2**31},
+            r"`min_steps` must be at most 2147483647.*=2147483648",
+        ),
+        (
+            {"max_steps": 2**32 + 3},
+            r"`max_steps` must be at most 2147483647.*=4294967299",
+        ),
+        ({"warmup": 2**31}, r"`warmup` must be at most 2147483647"),
+        # Infinity doubled the window after every warmup; NaN compares
+        # false everywhere.
+        ({"batch_fraction": math.inf}, r"`batch_fraction` .*finite.*=inf"),
+        ({"batch_fraction": math.nan}, r"`batch_fraction` .*finite.*=nan"),
+        ({"smoothing": -math.inf}, r"`smoothing` must be .*=-inf"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(kwargs, match):
@@ -539,6 +555,36 @@ def test_switching_to_auto_between_fits_goes_on_from_the_length():
     assert [u.micro_batches for u in logger.updates] == [6, 2]
     model.accum_steps = 4
     assert _value(model._window.counters.target_length) == 4
+
+
+def test_a_recompile_keeps_the_controller():
+    # Freeze, fit, unfreeze, compile: the pattern of fine-tuning. Before,
+    # `compile()` dropped the window state and the controller started
+    # again at `min_steps` with a fresh warmup.
+    x, y = regression_data(n=64)
+    config = AutoAccumSteps(batch_fraction=FRACTION, **STEERED)
+    model, logger, _ = _fit_auto(
+        config, keras.optimizers.Adam(0.01), x, y, epochs=4
+    )
+    kept = _controller(model)
+    assert kept["target_length"] > STEERED["min_steps"], kept
+    model.layers[-1].trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    assert model.window_length == kept["target_length"]
+    after = keras_accum.PseudoBatchLogger()
+    model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[after],
+    )
+    # The first window after the recompile has the length reached before.
+    assert after.updates[0].micro_batches == kept["target_length"]
+    # A new optimizer: AdaScale's progress restarts with its update count.
+    assert _controller(model)["auto_progress"] == 0.0
 
 
 def test_mixed_precision_estimates_leave_the_loss_scale_out():

@@ -154,6 +154,7 @@ def test_schedule_is_saved_with_the_model(tmp_path, schedule):
         ({0: 0}, ValueError, "Received: accum_steps=0"),
         ({-1: 2, 0: 1}, ValueError, "epoch indices"),
         ([1, 4], TypeError, r"a dict mapping epochs.*Received: accum_steps="),
+        ({0: 2, 3: 2**31}, ValueError, r"at most 2147483647.*=2147483648"),
     ],
 )
 def test_bad_schedules_are_refused(value, error, match):
@@ -172,6 +173,18 @@ def test_callable_returning_a_bad_length_fails_at_fit_start():
         model.fit(x, y, batch_size=B, verbose=0)
     for u, v in zip(model.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(u, v)
+
+
+def test_callable_returning_a_length_past_int32_fails_at_fit_start():
+    # Before: accepted, and the step's int32 cast wrapped it.
+    x, y = regression_data(n=16)
+    model = accum_mlp(lambda u: 2**31)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(
+        ValueError, match=r"callable must return at most 2147483647.*at upd"
+    ):
+        model.fit(x, y, batch_size=B, verbose=0)
+    assert int(model.optimizer.iterations) == 0
 
 
 def test_a_saved_lambda_loads_and_trains(tmp_path):

@@ -624,3 +624,114 @@ def test_loading_without_the_package_names_it(tmp_path):
         assert outcome["error"] == "TypeError"
         assert f"Could not locate class '{name}'" in outcome["message"]
         assert "make sure they are all imported" in outcome["message"]
+
+
+# -- LoRA and a changed trainable set -------------------------------------
+
+
+def _lora_gpt2(accum_steps):
+    """A tiny KerasHub causal LM with LoRA on, as an `AccumModel`. Its
+    backbone's config does not record `lora_rank`: a `.keras` file of it
+    reloads without LoRA (Keras folds the update into the kernels)."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+        dropout=0.0,
+    )
+    task = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    backbone.enable_lora(rank=2)
+    model = keras_accum.AccumModel.from_model(task, accum_steps=accum_steps)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _lora_data(n):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 50, size=(n, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens, bool)}
+    return x, rng.integers(1, 50, size=(n, 8)).astype("int32")
+
+
+def test_a_lora_file_loads_when_its_window_is_closed_and_not_when_open(
+    tmp_path,
+):
+    # Before: both refused with "holds 4 gradient accumulators but this
+    # model has 10 trainable weights ... load it into the same
+    # architecture", which the user had done.
+    model = _lora_gpt2(accum_steps=2)
+    trained = len(model.trainable_weights)
+    x, y = _lora_data(6)
+    # 3 micro-batches: 2 updates, the second at the epoch's end.
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert model.mini_step == 0
+    model.save(tmp_path / "closed.keras")
+    predicted = keras.ops.convert_to_numpy(model.predict(x, verbose=0))
+    model.train_on_batch({k: v[:2] for k, v in x.items()}, y[:2])
+    assert model.mini_step == 1
+    model.save(tmp_path / "open.keras")
+    with pytest.warns(UserWarning, match=r"trainable weights changed.*LoRA"):
+        loaded = keras.saving.load_model(tmp_path / "closed.keras")
+    assert loaded.mini_step == 0
+    assert len(loaded.trainable_weights) > trained  # no LoRA: whole kernels
+    # Keras folded LoRA into the kernels: the same function.
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded.predict(x, verbose=0)),
+        predicted,
+        atol=1e-5,
+    )
+    # It trains on: 3 micro-batches, one window of 2 applied. (Keras
+    # skips the optimizer's saved variables, which no longer match.)
+    before = int(loaded.optimizer.iterations)
+    loaded.fit(x, y, batch_size=2, verbose=0)
+    assert int(loaded.optimizer.iterations) == before + 2
+    with pytest.raises(
+        ValueError,
+        match=r"open \(1 micro-batch not yet.*`acc_grad_.*LoRA.*enable_lora.*"
+        r"apply_partial_window",
+    ):
+        keras.saving.load_model(tmp_path / "open.keras")
+
+
+def _lora_mlp(seed=0):
+    model = accum_mlp(K, seed=seed)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Dense):
+            layer.enable_lora(rank=2)
+    # LoRA's second factor starts at zero; give both factors values, as
+    # training would, so that a reset to zero shows.
+    model.set_weights(
+        [w + 0.1 if not np.any(w) else w for w in model.get_weights()]
+    )
+    return _compiled(model)
+
+
+def test_a_weights_file_whose_lora_factors_load_as_zero_warns(tmp_path):
+    # Keras saves a LoRA kernel merged and zeroes the factors on loading:
+    # a window restored with them holds gradients of factors that no
+    # longer exist. Before: resumed silently, 0.31 from an uninterrupted
+    # run (as a plain LoRA model resumed this way).
+    batches = _batches()
+    model = _lora_mlp()
+    for xb, yb in batches[:K]:
+        model.train_on_batch(xb, yb)
+    model.save_weights(tmp_path / "closed.weights.h5")
+    for xb, yb in batches[K : K + 2]:
+        model.train_on_batch(xb, yb)
+    model.save_weights(tmp_path / "open.weights.h5")
+    restored = _lora_mlp(seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        restored.load_weights(tmp_path / "closed.weights.h5")
+    assert restored.mini_step == 0
+    with pytest.warns(UserWarning, match=r"LoRA factors of .*are zero.*open"):
+        restored.load_weights(tmp_path / "open.weights.h5")
+    assert restored.mini_step == 2
