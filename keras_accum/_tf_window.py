@@ -31,7 +31,8 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from keras_accum import _window
-from keras_accum._window import ACC_DTYPE, TOTALS, WindowState
+from keras_accum._window import WindowState
+from keras_accum._window_fields import ACC_DTYPE, TOTALS
 
 
 def create(trainable_variables, length, strategy, close_hooks=()):

@@ -26,24 +26,24 @@ import numpy as np
 
 from keras_accum._compat import KerasSaveable
 from keras_accum._normalizer import LossRule
+from keras_accum._window_fields import (
+    ACC_DTYPE,
+    COUNT_DTYPE,
+    FORMAT_VERSION,
+    INT_MAX,
+    SAVED,
+)
 
 # Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...): the
-# window's float32 totals (0 between windows), its integer counters, and
-# the float32 state of `accum_steps="auto"`'s controller (0 without one).
-SAVED_TOTALS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
-SAVED_INTS = (
-    "mini_step",
-    "epoch",
-    "epoch_step",
-    "window_length",
-    "skipped_windows",
-    "target_length",
-    "auto_estimates",
-)
-SAVED_CONTROLLER = ("auto_trace", "auto_grad_sq", "auto_progress")
-SAVED_COUNTERS = (*SAVED_TOTALS, *SAVED_INTS, *SAVED_CONTROLLER)
-SAVED_INT_DTYPES = ("int32",)
-INT_MAX = 2**31 - 1
+# fields `_window_fields.FIELDS` marks saved (the window's float32 totals,
+# 0 between windows, its int32 counters, and `accum_steps="auto"`'s
+# controller, 0 without one), and the layout's `format_version`.
+SAVED_COUNTERS = tuple(field.name for field in SAVED)
+SAVED_INTS = tuple(f.name for f in SAVED if f.dtype == COUNT_DTYPE)
+SAVED_FLOATS = tuple(f.name for f in SAVED if f.dtype == ACC_DTYPE)
+SAVED_TOTALS = tuple(f.name for f in SAVED if f.summed)
+SAVED_INT_DTYPES = (COUNT_DTYPE,)
+VERSION_KEY = "format_version"
 # Float32 sums of whole numbers are exact below 2**24; above, a window's
 # two sums of the same counts may round differently.
 _COUNT_RTOL = 1e-5
@@ -114,6 +114,7 @@ class SavedWindow(KerasSaveable):
             store[f"acc_grad_{i}"] = acc
         for name in SAVED_COUNTERS:
             store[name] = getattr(self.counters, name)
+        store[VERSION_KEY] = np.asarray(FORMAT_VERSION, COUNT_DTYPE)
 
     def load_own_variables(self, store):
         if not list(store.keys()):
@@ -212,11 +213,14 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     if where is None:
         where = _where(store)
     keys = [str(key) for key in store.keys()]
+    _check_version(store, keys, where)
     saved = [key for key in keys if _is_accumulator(key)]
-    _check_keys([key for key in keys if key not in saved], where)
+    _check_keys(
+        [key for key in keys if key not in saved and key != VERSION_KEY], where
+    )
     values = {}
-    for name in (*SAVED_TOTALS, *SAVED_CONTROLLER):
-        values[name] = _read(store, name, ("float32",), (), where)
+    for name in SAVED_FLOATS:
+        values[name] = _read(store, name, (ACC_DTYPE,), (), where)
     for name in SAVED_INTS:
         values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
     _check_values(values, rules, where)
@@ -234,6 +238,30 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
 
 def _is_accumulator(key):
     return key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
+
+
+def _check_version(store, keys, where):
+    """The file's layout is one this release reads: `format_version` from
+    1 to `FORMAT_VERSION`, or absent (files written before it was
+    recorded, whose layout is version 1's)."""
+    if VERSION_KEY not in keys:
+        return
+    value = _read(store, VERSION_KEY, SAVED_INT_DTYPES, (), where)
+    version = int(value)
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"The saved accumulation window{where} has `{VERSION_KEY}` = "
+            f"{version}, a layout newer than this release of keras-accum "
+            f"reads (versions 1 to {FORMAT_VERSION}). Upgrade keras-accum "
+            "to load it, or, to keep the weights and drop the window, load "
+            "the file into the equivalent plain `keras.Model` with "
+            "`load_weights()`."
+        )
+    if version < 1:
+        raise ValueError(
+            f"The saved accumulation window entry `{VERSION_KEY}` = "
+            f"{version} is outside 1..{FORMAT_VERSION}{where}. {_REMEDY}"
+        )
 
 
 def _check_keys(keys, where):
@@ -439,12 +467,7 @@ def _check_values(values, rules, where):
             f"0..{length - 1}",
             f"window_length={length}, {context}",
         )
-    for name in ("epoch", "epoch_step", "skipped_windows", "auto_estimates"):
-        if not 0 <= ints[name] <= INT_MAX:
-            fail(name, ints[name], f"0..{INT_MAX}")
-    if not 1 <= ints["target_length"] <= INT_MAX:
-        fail("target_length", ints["target_length"], f"1..{INT_MAX}")
-    _check_controller(values, fail)
+    _check_ranges(values, fail)
     if mini_step == 0:
         # An empty window: closing one resets its totals to 0.
         for name, value in totals.items():
@@ -460,17 +483,29 @@ def _check_values(values, rules, where):
     _check_normalizer(totals["acc_normalizer"], samples, rules, fail)
 
 
-def _check_controller(values, fail):
-    """`accum_steps="auto"`'s moving averages are finite (a negative
-    average is possible: unbiased estimates of |G|² and tr(Σ) can be),
-    and its progress, a sum of gains >= 1, is finite and not negative."""
-    for name in ("auto_trace", "auto_grad_sq"):
-        value = float(values[name])
-        if not math.isfinite(value):
-            fail(name, value, "the finite numbers", "a moving average")
-    progress = float(values["auto_progress"])
-    if not (math.isfinite(progress) and progress >= 0):
-        fail("auto_progress", progress, "the finite numbers >= 0")
+def _check_ranges(values, fail):
+    """Each saved field within the range `_window_fields.FIELDS` gives it.
+
+    `auto_trace` and `auto_grad_sq`, moving averages of unbiased
+    estimates, may be negative but not infinite; `auto_progress`, a sum of
+    gains >= 1, is finite and not negative.
+    """
+    for field in SAVED:
+        if field.low is None and field.high is None and not field.finite:
+            continue
+        value = values[field.name]
+        value = int(value) if field.dtype == COUNT_DTYPE else float(value)
+        low = -math.inf if field.low is None else field.low
+        high = math.inf if field.high is None else field.high
+        if math.isfinite(value) and low <= value <= high:
+            continue
+        if field.dtype == COUNT_DTYPE:
+            allowed = f"{field.low}..{field.high}"
+        elif field.low is None:
+            allowed = "the finite numbers"
+        else:
+            allowed = f"the finite numbers >= {field.low:g}"
+        fail(field.name, value, allowed, field.why)
 
 
 def _check_normalizer(normalizer, samples, rules, fail):

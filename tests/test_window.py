@@ -15,7 +15,7 @@ import pytest
 from keras import ops
 
 from keras_accum import _normalizer as normalizers
-from keras_accum import _window
+from keras_accum import _window, _window_fields
 from keras_accum._window import Counters, Plan, Share
 
 NAN = float("nan")
@@ -122,7 +122,7 @@ def test_gradients_1_2_3_4_average_to_2_5():
     # The pseudo-batch loss: each micro-batch's loss 0.5, weighted alike.
     np.testing.assert_allclose(_numpy(counters.log_loss[0]), 0.5)
     # The totals start again from zero.
-    for name in _window.TOTALS:
+    for name in _window_fields.TOTALS:
         assert float(_numpy(getattr(counters, name))) == 0.0
 
 
@@ -437,3 +437,24 @@ def test_the_backend_finds_a_window_finite_exactly(values, finite):
         check = jax.jit(lambda closing: backend.all_finite(closing))
         assert bool(check(True)) is finite
         assert bool(check(False))  # Not closing: the pass is skipped.
+
+
+def test_every_counter_is_declared_once_in_the_field_table():
+    # `Counters` and `_window_fields.FIELDS` name the same fields in the
+    # same order: the table is where dtype, shape, replicas, resets and
+    # saving are read from.
+    names = tuple(field.name for field in _window_fields.FIELDS)
+    assert names == Counters._fields
+    assert len(set(names)) == len(names)
+    assert _window_fields.TOTALS == (
+        "acc_normalizer",
+        "acc_loss",
+        "acc_samples",
+        "acc_grad_sq",
+    )
+    assert _window_fields.RESETS == (*_window_fields.TOTALS, "mini_step")
+    for field in _window_fields.FIELDS:
+        assert field.dtype in ("float32", "int32")
+        # What no code path could save: a ring, or a range on a float
+        # without a finiteness rule.
+        assert not (field.saved and field.ring), field

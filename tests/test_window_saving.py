@@ -4,6 +4,7 @@ assigned; every window training can produce loads; legacy `.h5` files; a
 load without `import keras_accum`."""
 
 import os
+import re
 import shutil
 import warnings
 import zipfile
@@ -427,6 +428,8 @@ def _random_damage(rng, group):
         del group[name]
     elif kind == "extra":
         name = str(rng.choice(["acc_grad_4", "mini_steps", "format_version"]))
+        if name in group:  # `format_version`, which files now hold
+            del group[name]
         group[name] = np.int64(1)
     else:
         _set(group, name, old.reshape((1, *old.shape)))
@@ -624,6 +627,67 @@ def test_loading_without_the_package_names_it(tmp_path):
         assert outcome["error"] == "TypeError"
         assert f"Could not locate class '{name}'" in outcome["message"]
         assert "make sure they are all imported" in outcome["message"]
+
+
+# -- The layout's version ------------------------------------------------
+
+
+def _resumed(model, path, rest):
+    model.load_weights(path)
+    for xb, yb in rest:
+        model.train_on_batch(xb, yb)
+    return model.get_weights()
+
+
+def test_a_file_records_its_layout_version(saved):
+    directory, _ = saved
+    with h5py.File(directory / "base.weights.h5", "r") as h5:
+        group = _window_group(h5)
+        assert group["format_version"][()] == 1
+        assert group["format_version"].dtype == np.int32
+
+
+def test_a_file_without_a_version_loads_as_before(saved, tmp_path):
+    # Files written before the version was recorded hold version 1's
+    # layout.
+    directory, rest = saved
+    base = directory / "base.weights.h5"
+    old = _corrupted(
+        base,
+        tmp_path / "old.weights.h5",
+        lambda g: g.__delitem__("format_version"),
+    )
+    expected = _resumed(_compiled(accum_mlp(K, seed=3)), base, rest)
+    got = _resumed(_compiled(accum_mlp(K, seed=3)), old, rest)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_a_version_from_the_future_is_refused_naming_it(
+    saved, tmp_path, suffix
+):
+    directory, _ = saved
+    source = directory / f"base{suffix}"
+    path = _corrupted(
+        source,
+        tmp_path / f"future{suffix}",
+        lambda g: _set(g, "format_version", np.int32(2)),
+    )
+    model = _compiled(accum_mlp(K, seed=3))
+    model.load_weights(directory / "base.weights.h5")
+    before = _window_values(model)
+    where = re.escape(str(path)) if suffix == ".weights.h5" else ""
+    with pytest.raises(
+        ValueError,
+        match=rf"{where}.*`format_version` = 2, a layout newer.*Upgrade",
+    ):
+        if suffix == ".keras":
+            keras.saving.load_model(path)
+        else:
+            model.load_weights(path)
+    for a, b in zip(before, _window_values(model), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # -- LoRA and a changed trainable set -------------------------------------

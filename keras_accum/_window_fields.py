@@ -1,0 +1,121 @@
+"""The window's values besides its accumulators, each declared once.
+
+`FIELDS` says, for every field of `_window.Counters`, what the rest of the
+package derives from it: the variable's dtype and shape, how replicas
+combine it under `tf.distribute`, whether a close resets it, whether a
+file saves it and which values a saved one may hold. `_window` builds the
+variables and the close's resets from it, `_tf_window` the replicas'
+aggregation, `_window_saving` the saved entries and their checks.
+
+Adding a saved counter is one `Field` here and its slot in `Counters`.
+A change to what a file holds also raises `FORMAT_VERSION`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from keras_accum._window_log import LOG_CAPACITY
+
+# The dtypes of every backend's window: JAX computes integers in int32
+# unless x64 is enabled, so a file saved on one backend loads on another.
+ACC_DTYPE = "float32"
+COUNT_DTYPE = "int32"
+INT_MAX = 2**31 - 1
+
+# The saved window's layout. 0: files written before it was recorded,
+# which hold the same entries as 1.
+FORMAT_VERSION = 1
+
+
+class Field(NamedTuple):
+    """One of the window's values.
+
+    Attributes:
+        name: Its name in `Counters` and in saved files.
+        dtype: `ACC_DTYPE` or `COUNT_DTYPE`.
+        ring: A ring of the last `LOG_CAPACITY` closed windows (for
+            `PseudoBatchLogger`); else a scalar.
+        summed: Under `tf.distribute`, each replica holds its part and the
+            value is their sum (the window's totals); else every replica
+            holds the same value.
+        resets: Set to 0 when a window closes.
+        saved: Written to weights and `.keras` files with the window.
+        low, high: A saved value's valid range (None: unbounded; NaN and
+            infinity are refused wherever either is set, or `finite`).
+        finite: A saved float must be finite.
+        why: What the value is, for a load error's message.
+    """
+
+    name: str
+    dtype: str
+    ring: bool = False
+    summed: bool = False
+    resets: bool = False
+    saved: bool = False
+    low: float | None = None
+    high: float | None = None
+    finite: bool = False
+    why: str = ""
+
+    @property
+    def shape(self) -> tuple:
+        return (LOG_CAPACITY,) if self.ring else ()
+
+
+def _total(name):
+    """A window total: each replica's part, summed; 0 after a close."""
+    return Field(name, ACC_DTYPE, summed=True, resets=True, saved=True)
+
+
+def _count(name, low=0, **kwargs):
+    return Field(name, COUNT_DTYPE, saved=True, low=low, high=INT_MAX, **kwargs)
+
+
+def _ring(name, dtype=ACC_DTYPE):
+    return Field(name, dtype, ring=True)
+
+
+FIELDS = (
+    # The open window.
+    _total("acc_normalizer"),
+    _total("acc_loss"),
+    _total("acc_samples"),
+    _total("acc_grad_sq"),
+    _count("mini_step", resets=True),
+    # Where in `fit` it is.
+    _count("epoch"),
+    _count("epoch_step"),
+    Field("steps_per_epoch", COUNT_DTYPE),
+    _count("window_length", low=1),
+    _count("target_length", low=1),
+    _count("skipped_windows"),
+    # The log of closed windows, read by `PseudoBatchLogger`.
+    Field("log_count", COUNT_DTYPE),
+    _ring("log_loss"),
+    _ring("log_samples"),
+    _ring("log_trace"),
+    _ring("log_grad_sq"),
+    _ring("log_update", COUNT_DTYPE),
+    _ring("log_micro", COUNT_DTYPE),
+    _ring("log_lr_scale"),
+    # `accum_steps="auto"`'s controller (0 without one).
+    Field(
+        "auto_trace", ACC_DTYPE, saved=True, finite=True, why="a moving average"
+    ),
+    Field(
+        "auto_grad_sq",
+        ACC_DTYPE,
+        saved=True,
+        finite=True,
+        why="a moving average",
+    ),
+    _count("auto_estimates"),
+    Field("auto_progress", ACC_DTYPE, saved=True, low=0.0, finite=True),
+)
+
+BY_NAME = {field.name: field for field in FIELDS}
+# Derived views, in `FIELDS`' order.
+TOTALS = tuple(f.name for f in FIELDS if f.summed)
+RESETS = tuple(f.name for f in FIELDS if f.resets)
+SAVED = tuple(f for f in FIELDS if f.saved)
