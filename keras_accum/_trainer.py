@@ -27,7 +27,6 @@ from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_log import read_array, read_int
 from keras_accum._window_saving import WindowRules, warn_if_lora_reset
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
-from keras_accum.layers import AccumBatchNormalization
 
 # What a recompile keeps of `"auto"`'s controller.
 KEPT_CONTROLLER = (
@@ -48,6 +47,9 @@ class AccumTrainer:
 
     # The arguments of the backend's `train_step`, for error messages.
     _TRAIN_STEP_ARGS = "data"
+    # What modules that `model.py` imports test for instead of importing
+    # `AccumModel` (`layers.py`).
+    _accumulates_gradients = True
 
     def _reset_window_state(self):
         # `"auto"`'s controller outlives a recompile (freeze, fit, unfreeze,
@@ -138,15 +140,14 @@ class AccumTrainer:
         )
 
     def _window_close_hooks(self):
-        """`hook(applied, closing)` of each layer that follows the window."""
-        batch_norms = [
-            layer
+        """`hook(applied, closing)` of each layer that follows the window:
+        a layer declares `_follow_window()`, which returns its hook
+        (`AccumBatchNormalization`)."""
+        return [
+            layer._follow_window()
             for layer in self._flatten_layers()
-            if isinstance(layer, AccumBatchNormalization)
+            if callable(getattr(layer, "_follow_window", None))
         ]
-        for layer in batch_norms:
-            layer._window_owned = True
-        return [layer._close_window for layer in batch_norms]
 
     def _window_for_step(self, variables=None):
         """The window state, checked, for a step being traced or run;

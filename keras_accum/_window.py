@@ -12,7 +12,7 @@ pure functions of those values:
 - `close`: a closing window is divided by its normalizer total and applied
   once, or skipped whole if not finite; sampled windows estimate the
   gradient noise scale, from which `accum_steps="auto"` sets the next
-  windows' length (`auto.steer`); closed windows are published for
+  windows' length (`_auto_rules.steer`); closed windows are published for
   `PseudoBatchLogger`.
 
 Each backend supplies a `WindowOps`: how its accumulators are written (in
@@ -35,22 +35,24 @@ from typing import Any, NamedTuple
 
 import keras
 
-from keras_accum import _compat, auto
+from keras_accum import _auto_rules, _compat
 from keras_accum import _scalar_ops as ops
+from keras_accum._window_fields import (
+    ACC_DTYPE,
+    BY_NAME,
+    COUNT_DTYPE,
+    RESETS,
+)
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
-
-ACC_DTYPE = "float32"
-# The dtype JAX computes integers in unless x64 is enabled; the same on
-# every backend, so a file saved on one loads on another as it is.
-COUNT_DTYPE = "int32"
 
 
 class Counters(NamedTuple):
     """The window's values besides its accumulators.
 
     The same tuple holds the variables (`WindowState.counters`) and, in a
-    step, their values.
+    step, their values. Each field's dtype, shape, replica rule, reset and
+    saving are declared in `_window_fields.FIELDS`, in this order.
 
     Attributes:
         acc_normalizer: Sum of the window's loss normalizers (entries or
@@ -81,7 +83,7 @@ class Counters(NamedTuple):
             closed windows' pseudo-batch loss, samples, estimates of tr(Σ)
             and |G|² (NaN where not estimated), `optimizer.iterations`
             after the update, micro-batches, and the factor on the
-            learning rate (`auto.learning_rate`; 1 without one).
+            learning rate (`_auto_rules.learning_rate`; 1 without one).
         auto_trace, auto_grad_sq: `accum_steps="auto"`: the moving
             averages of the windows' estimates of tr(Σ) and |G|² (`auto`).
         auto_estimates: `accum_steps="auto"`: windows measured so far.
@@ -114,19 +116,10 @@ class Counters(NamedTuple):
     auto_progress: Any
 
 
-# The window's totals, reset when it closes; under `tf.distribute` their
-# replicas' copies add up (the other counters agree on every replica).
-TOTALS = ("acc_normalizer", "acc_loss", "acc_samples", "acc_grad_sq")
-_RINGS = ("log_loss", "log_samples", "log_trace", "log_grad_sq", "log_lr_scale")
-_CONTROLLER = ("auto_trace", "auto_grad_sq", "auto_progress")
-_INT_RINGS = ("log_update", "log_micro")
-
-
 def counter_spec(name: str) -> tuple[tuple, str]:
-    """`(shape, dtype)` of the counter `name`."""
-    shape = (LOG_CAPACITY,) if name in (*_RINGS, *_INT_RINGS) else ()
-    floats = (*TOTALS, *_RINGS, *_CONTROLLER)
-    return shape, ACC_DTYPE if name in floats else COUNT_DTYPE
+    """`(shape, dtype)` of the counter `name` (`_window_fields.FIELDS`)."""
+    field = BY_NAME[name]
+    return field.shape, field.dtype
 
 
 class Share(NamedTuple):
@@ -155,7 +148,7 @@ class ClosePolicy(NamedTuple):
             gradient noise scale; 0 for none.
         loss_scale: The scale the window's gradients carry, taken out of
             the estimates.
-        auto: The `auto.AutoAccumSteps` steering the window's length
+        auto: The `AutoAccumSteps` steering the window's length
             (`noise_every` is then 1); None for a length the model sets.
         optimizer: The optimizer whose learning rate `auto` may scale.
     """
@@ -357,7 +350,7 @@ def close(
     )
     rate = None
     if policy.auto is not None:
-        rate = auto.learning_rate(
+        rate = _auto_rules.learning_rate(
             counters, policy.auto, counters.mini_step, totals[2]
         )
     with _compat.learning_rate_scaled(policy.optimizer, rate):
@@ -383,8 +376,8 @@ class Steering(NamedTuple):
 
     Attributes:
         estimates: `(trace, grad_sq)` averaged over replicas.
-        rate: `(auto.Rate or None, applied)`.
-        config: The `auto.AutoAccumSteps`.
+        rate: `(_auto_rules.Rate or None, applied)`.
+        config: The `AutoAccumSteps`.
     """
 
     estimates: Any
@@ -484,7 +477,7 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
         ring = getattr(counters, name)
         changes[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)
     skipped = ops.logical_and(publish, ops.logical_not(closed.finite))
-    for name in (*TOTALS, "mini_step"):
+    for name in RESETS:
         value = getattr(counters, name)
         if should_close is True:
             # Known when traced (an eager close, TensorFlow's conditional).
@@ -504,7 +497,8 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
 
 
 def _steered(counters: Counters, closed: Closed, publish, micro_steps):
-    """`auto.steer`'s changes for a window that published if `publish`."""
+    """`_auto_rules.steer`'s changes for a window that published if
+    `publish`."""
     steering = closed.steering
     trace, grad_sq = steering.estimates
     taken = ops.logical_and(
@@ -513,7 +507,7 @@ def _steered(counters: Counters, closed: Closed, publish, micro_steps):
     )
     # Every replica's samples (the totals'), per micro-batch.
     micro_batch = closed.totals[2] / ops.maximum(_float(micro_steps), 1.0)
-    return auto.steer(
+    return _auto_rules.steer(
         counters,
         (trace, grad_sq, taken),
         (_float(micro_steps), ops.maximum(micro_batch, 1.0)),

@@ -235,6 +235,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         self.window_count.assign(total)
 
+    def _follow_window(self):
+        """Makes this layer follow its `AccumModel`'s windows; returns the
+        close hook. The model calls it on each layer that has it, when it
+        creates its window state, instead of knowing this class."""
+        self._window_owned = True
+        return self._close_window
+
     def _close_window(self, applied, closing):
         """Updates the moving statistics from the window; then clears it.
 
@@ -278,10 +285,9 @@ def _check_convertible(model) -> None:
         )
     name = type(model).__name__
     if not _is_graph_model(model):
-        # Imported here: `model.py` imports this module.
-        from keras_accum.model import AccumModel
-
-        if isinstance(model, AccumModel):
+        # Told by the attribute `AccumModel` declares, not by importing
+        # `model.py`, which imports this module.
+        if getattr(type(model), "_accumulates_gradients", False):
             raise TypeError(
                 "`AccumBatchNormalization.convert` rebuilds a `Sequential` "
                 "or functional model from its graph; `model` is an "

@@ -19,7 +19,8 @@ from _helpers import (
 from keras import ops
 
 import keras_accum
-from keras_accum import _compat, _window, auto
+from keras_accum import _auto_rules as auto
+from keras_accum import _compat, _window
 from keras_accum.auto import AutoAccumSteps
 
 BACKEND = keras.backend.backend()

@@ -233,3 +233,57 @@ def test_every_function_is_short_and_takes_few_parameters():
     long = [(w, len(c)) for w, _, c in found if len(c) > 60]
     many = [(w, len(p)) for w, p, _ in found if len(p) > 6]
     assert not long and not many, (long, many)
+
+
+def _package_imports():
+    """`{module: {modules of the package it imports}}`, every import in
+    the module counted, at its top or inside a function."""
+    import ast
+
+    graph = {}
+    for path in sorted((ROOT / "keras_accum").glob("*.py")):
+        name = "keras_accum" if path.stem == "__init__" else path.stem
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "keras_accum":
+                    found |= {alias.name for alias in node.names}
+                elif node.module.startswith("keras_accum."):
+                    found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("keras_accum."):
+                        found.add(alias.name.split(".")[1])
+        graph[name] = found - {name}
+    return graph
+
+
+@pytest.mark.tensorflow_only(reason="reads the package's source")
+def test_imports_run_one_way():
+    # Before: `_trainer` -> `layers` -> `model` (a lazy import) -> the
+    # backend trainers -> `_trainer`, and the core imported the public
+    # `auto` for its in-step rules.
+    graph = _package_imports()
+    modules = set(graph)
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+        if module in done or module not in modules:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(modules):
+        visit(module)
+    # The public modules are imported by `__init__` and `model` only; the
+    # core reaches the controller's rules through `_auto_rules`.
+    public = {"model", "callbacks", "layers"}
+    for module, imported in graph.items():
+        if module not in ("keras_accum", "model", "callbacks"):
+            assert not imported & public, (module, imported & public)
