@@ -168,7 +168,12 @@ def _versions(keras):
     return {
         "keras": keras.__version__,
         backend: module.__version__,
-        "keras_accum": str(Path(keras_accum.__file__).resolve().parent),
+        # Which checkout was measured, relative to this one's root: no
+        # machine's absolute path in a results file.
+        "keras_accum": os.path.relpath(
+            Path(keras_accum.__file__).resolve().parent,
+            Path(__file__).resolve().parents[1],
+        ),
         "tensorflow_imported": sys.modules.get("tensorflow") is not None,
     }
 

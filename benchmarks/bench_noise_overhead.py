@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_throughput as bt
+import _tf_timing as bt
 import keras
 import numpy as np
 import tensorflow as tf

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_throughput as bt
+import _tf_timing as bt
 import tensorflow as tf
 
 VARIANTS = ("accum", "keras_ga", "keras_ga_whole")

@@ -38,14 +38,8 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(
-    0,
-    os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"
-    ),
-)
+from _collectives import collective_bytes
 from _helpers import LargeBatch, UpdateRecorder, assert_equivalent
-from bench_communication import collective_bytes
 
 import keras_accum
 

@@ -211,7 +211,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, sys.argv[1])
-from bench_communication import collective_bytes
+from _collectives import collective_bytes
 mesh = Mesh(jax.devices(), ("batch",))
 x = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, P("batch")))
 replicated = NamedSharding(mesh, P())
@@ -243,7 +243,7 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
     }
     result = subprocess.run(
-        [sys.executable, "-c", _BRANCHES, str(ROOT / "benchmarks")],
+        [sys.executable, "-c", _BRANCHES, str(ROOT / "tests")],
         env=env,
         capture_output=True,
         text=True,

@@ -8,7 +8,6 @@ communication is read from the compiled step's HLO: no gradient crosses
 devices on a micro-batch that does not close the window.
 """
 
-import sys
 from pathlib import Path
 
 import keras
@@ -362,8 +361,7 @@ def _step_bytes(model, batch):
     """`{"every_step", "in_branches"}`: bytes all-reduced by the compiled
     train step, outside and inside conditionals' branches
     (`benchmarks/bench_communication.py`)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_communication import step_bytes
+    from _collectives import step_bytes
 
     x, y = regression_data(n=batch)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
