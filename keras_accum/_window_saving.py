@@ -21,7 +21,6 @@ import warnings
 import zipfile
 from typing import NamedTuple
 
-import keras
 import numpy as np
 
 from keras_accum._compat import KerasSaveable
@@ -33,6 +32,7 @@ from keras_accum._window_fields import (
     INT_MAX,
     SAVED,
 )
+from keras_accum._window_log import read_array
 
 # Saved besides the accumulators (`acc_grad_0`, `acc_grad_1`, ...): the
 # fields `_window_fields.FIELDS` marks saved (the window's float32 totals,
@@ -384,7 +384,7 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
     training goes on differently from an uninterrupted run, as a plain
     model resumed the same way does. Run after the window loaded.
     """
-    mini_step = int(_numpy(window.counters.mini_step))
+    mini_step = int(read_array(window.counters.mini_step))
     if mini_step == 0:
         return
     index = {id(v): i for i, v in enumerate(trainable_variables)}
@@ -397,9 +397,10 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
             for v in layer.trainable_weights
             if v.name.startswith("lora_") and id(v) in index
         ]
-        if not factors or any(np.any(_numpy(v)) for v in factors):
+        if not factors or any(np.any(read_array(v)) for v in factors):
             continue
-        if any(np.any(_numpy(window.acc_grads[index[id(v)]])) for v in factors):
+        held = [window.acc_grads[index[id(v)]] for v in factors]
+        if any(np.any(read_array(acc)) for acc in held):
             reset.append(layer.path)
     if reset:
         warnings.warn(
@@ -417,10 +418,6 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
             "`save_lora_weights()`; see the fine-tuning guide.",
             stacklevel=2,
         )
-
-
-def _numpy(variable):
-    return keras.ops.convert_to_numpy(variable.value)
 
 
 def _check_values(values, rules, where):
