@@ -6,6 +6,8 @@ of those published; the callback reads them between steps. Kept apart from
 the backends' modules so that the callback imports no backend.
 """
 
+from __future__ import annotations
+
 import keras
 import numpy as np
 
@@ -41,3 +43,69 @@ def read_int(variable) -> int:
 # of one (`EarlyStopping`, `ModelCheckpoint`, `ReduceLROnPlateau`) in
 # `mode="auto"` gets `mode="min"`.
 MINIMIZED_LOG_KEYS = frozenset({"pseudo_batch_loss_mean"})
+
+
+# -- Readers: what `PseudoBatchLogger` reads of a model's window -------------
+# The window is written by `_window.close` (the rings) and the trainer;
+# callbacks read it only through these.
+
+# The rings, in `PseudoBatch`'s field order.
+_RINGS = (
+    "log_update",
+    "log_loss",
+    "log_samples",
+    "log_micro",
+    "log_trace",
+    "log_grad_sq",
+    "log_lr_scale",
+)
+_INT_RINGS = ("log_update", "log_samples", "log_micro")
+
+
+def published_count(model) -> int:
+    """Windows `model` has published so far; 0 before its window state
+    exists (and again after `compile()` rebuilt it)."""
+    window = model._window
+    return 0 if window is None else read_int(window.counters.log_count)
+
+
+def read_published(model, first: int, count: int) -> list[tuple]:
+    """The windows published from the `first`-th to before the `count`-th,
+    each a tuple in `PseudoBatch`'s order (update, loss, samples,
+    micro-batches, trace, grad_sq, lr_scale). The ring keeps the last
+    `LOG_CAPACITY`: `first` must be within them."""
+    counters = model._window.counters
+    rings = {name: read_array(getattr(counters, name)) for name in _RINGS}
+    found = []
+    for i in range(first, count):
+        slot = i % LOG_CAPACITY
+        found.append(
+            tuple(
+                int(rings[name][slot])
+                if name in _INT_RINGS
+                else float(rings[name][slot])
+                for name in _RINGS
+            )
+        )
+    return found
+
+
+def next_length(model) -> int:
+    """The length of the windows `model` starts from now."""
+    window = model._window
+    if window is None:
+        return model.window_length
+    return read_int(window.counters.target_length)
+
+
+def controller_averages(model) -> tuple[float, float] | None:
+    """`accum_steps="auto"`'s moving averages of tr(Σ) and |G|², or None
+    without a controller (or a window state)."""
+    window = model._window
+    if window is None or model._auto() is None:
+        return None
+    counters = window.counters
+    return (
+        float(read_array(counters.auto_trace)),
+        float(read_array(counters.auto_grad_sq)),
+    )

@@ -11,7 +11,8 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
+from keras_accum import _window_log as window_log
+from keras_accum._window_log import LOG_CAPACITY
 
 
 class PseudoBatch(NamedTuple):
@@ -242,10 +243,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     # -- Callback hooks -------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        window = self.model._window
-        self._read = (
-            0 if window is None else read_int(window.counters.log_count)
-        )
+        self._read = window_log.published_count(self.model)
         # Read the ring before it can wrap: a callback fires after at most
         # `steps_per_execution` steps, each closing at most one window.
         steps = self.model.accum_steps
@@ -313,10 +311,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
             )
 
     def _next_window_length(self) -> int:
-        window = self.model._window
-        if window is None:
-            return self.model.window_length
-        return read_int(window.counters.target_length)
+        return window_log.next_length(self.model)
 
     # -- Noise scale ----------------------------------------------------------
 
@@ -329,10 +324,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         if not self.noise_scale:
             return float("nan")
         trace, grad_sq = self._ema_trace, self._ema_grad_sq
-        window = self.model._window if self.model is not None else None
-        if window is not None and self.model._auto() is not None:
-            trace = float(read_array(window.counters.auto_trace))
-            grad_sq = float(read_array(window.counters.auto_grad_sq))
+        averages = None
+        if self.model is not None:
+            averages = window_log.controller_averages(self.model)
+        if averages is not None:
+            trace, grad_sq = averages
         if grad_sq <= 0:
             return float("nan")
         # The bias corrections of the two averages cancel in the ratio.
@@ -367,10 +363,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
     def _drain(self):
         """Moves the updates published in the graph into `updates`."""
         self._batches_since_read = 0
-        window = self.model._window
-        if window is None:
-            return
-        count = read_int(window.counters.log_count)
+        count = window_log.published_count(self.model)
         if count < self._read:  # The state was rebuilt by `compile()`.
             self._read = 0
         if count == self._read:
@@ -381,25 +374,9 @@ class PseudoBatchLogger(keras.callbacks.Callback):
                 f"PseudoBatchLogger missed {first - self._read} updates.",
                 stacklevel=2,
             )
-        losses = read_array(window.counters.log_loss)
-        samples = read_array(window.counters.log_samples)
-        steps = read_array(window.counters.log_update)
-        micro = read_array(window.counters.log_micro)
-        traces = read_array(window.counters.log_trace)
-        grad_sqs = read_array(window.counters.log_grad_sq)
-        lr_scales = read_array(window.counters.log_lr_scale)
         new = []
-        for i in range(first, count):
-            slot = i % LOG_CAPACITY
-            item = PseudoBatch(
-                int(steps[slot]),
-                float(losses[slot]),
-                int(samples[slot]),
-                int(micro[slot]),
-                float(traces[slot]),
-                float(grad_sqs[slot]),
-                float(lr_scales[slot]),
-            )
+        for values in window_log.read_published(self.model, first, count):
+            item = PseudoBatch(*values)
             new.append(item)
             if self.noise_scale:
                 self._observe_noise(item)
