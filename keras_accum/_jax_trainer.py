@@ -48,7 +48,7 @@ class JaxAccumTrainer(AccumTrainer):
         window = super()._create_window(
             length, close_hooks, _jax_devices.partial_sum_variables(axis)
         )
-        window.partial_sums = _jax_devices.summed_on_host
+        window.hold_partial_sums(_jax_devices.summed_on_host)
         return window
 
     # -- State plumbing: the window rides in the optimizer slot ---------------

@@ -124,8 +124,7 @@ class AccumTrainer:
         }
         self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
         self._restore_controller()
-        self._window.load_rules = self._saved_window_rules
-        self._window.after_load = self._after_window_load
+        self._window.connect(self._saved_window_rules, self._after_window_load)
 
     def _create_window(self, length, close_hooks, make_variable=None):
         check_model(self)

@@ -59,7 +59,7 @@ class WindowEpochs(keras.callbacks.Callback):
         if model._window is not None:
             # Only a window the other callbacks load from here on counts
             # for `WindowResume`.
-            model._window.loaded_position = None
+            model._window.take_loaded_position()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._accum_model._start_epoch(epoch)
@@ -138,7 +138,7 @@ class WindowResume(keras.callbacks.Callback):
         window = model._window
         if not self._backups or window is None:
             return
-        position, window.loaded_position = window.loaded_position, None
+        position = window.take_loaded_position()
         if position is None:  # No backup was restored.
             return
         epoch, epoch_step = position

@@ -77,8 +77,9 @@ class SavedWindow(KerasSaveable):
 
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
     `counters`, with a variable for each name in `SAVED_COUNTERS`. The
-    model sets `load_rules`, a callable returning its `WindowRules`, and
-    `after_load`.
+    model tells it `load_rules`, a callable returning its `WindowRules`,
+    and `after_load` (`connect`); other modules reach it through the
+    methods below, never by setting its attributes.
 
     Where `partial_sums` is set (JAX under a `keras.distribution`), each
     accumulator has a leading axis of devices, each holding its partial
@@ -101,6 +102,27 @@ class SavedWindow(KerasSaveable):
     # of the epoch it resumes (`_window_epochs.WindowResume`); None until
     # one loads.
     loaded_position = None
+
+    # -- What other modules tell or ask the saved window -------------------
+
+    def connect(self, load_rules, after_load) -> None:
+        """The owning model's `load_rules` and `after_load` (above), told
+        once when it creates the window."""
+        self.load_rules, self.after_load = load_rules, after_load
+
+    def hold_partial_sums(self, summed) -> None:
+        """Marks the accumulators as per-device partial sums (JAX under a
+        `keras.distribution`); `summed(accumulator)` adds them up."""
+        self.partial_sums = summed
+
+    def take_loaded_position(self):
+        """`loaded_position`, once: None again until the next load."""
+        position, self.loaded_position = self.loaded_position, None
+        return position
+
+    def end_load(self) -> None:
+        """Ends a load `check_file` checked: the next one checks again."""
+        self._checked_file = False
 
     def _obj_type(self):
         # Keras accepts only its own kinds here; it decides which attributes

@@ -537,7 +537,7 @@ class AccumModel(_Trainer, keras.Model):
         finally:
             if self._window is not None:
                 # Only for this load, even one Keras gave up on.
-                self._window._checked_file = False
+                self._window.end_load()
 
     def fit(self, *args: Any, **kwargs: Any):
         arguments = inspect.signature(keras.Model.fit).bind(
