@@ -406,8 +406,7 @@ class JaxOps(_window.WindowOps):
         # Over the devices: the window's one all-reduce.
         return [keras.ops.sum(value, axis=0) for value in values]
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
-        del closing_divisor  # XLA divides each accumulator in its buffer.
+    def add(self, grads, weight, starting, sampled):
         added = []
         for grad in grads:
             value = keras.ops.cast(grad, _window.ACC_DTYPE)

@@ -114,11 +114,24 @@ class TensorFlowOps(_window.WindowOps):
         self.xla = xla
         ctx = tf.distribute.get_replica_context()
         one_replica = ctx is None or ctx.num_replicas_in_sync == 1
+        # Under XLA on one replica, `add` divides a completing window as
+        # it writes it: XLA fuses the select and the divide into one pass.
         self.divides_in_step = xla and one_replica and not needs_merge_call()
+        # The divisor `add` divides by: the window's, where the micro-batch
+        # completes it, else 1 (`before_add`).
+        self._closing_divisor = None
         # Set by `add` where it divided a completing window.
         self._divided_by = None
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
+    def before_add(self, added, complete):
+        if self.divides_in_step:
+            self._closing_divisor = tf.where(
+                complete,
+                _window.window_divisor(added.acc_normalizer),
+                tf.ones((), ACC_DTYPE),
+            )
+
+    def add(self, grads, weight, starting, sampled):
         """Writes each accumulator as soon as its own gradient exists.
 
         A conditional per accumulator picks the write (a window's first
@@ -126,8 +139,8 @@ class TensorFlowOps(_window.WindowOps):
         that accumulator's gradient only: waiting for every gradient
         before any write would hold all of them at once, and clearing the
         accumulators after an update would allocate a buffer of each.
-        Under XLA a select whose result is divided by `closing_divisor`
-        on one replica: XLA fuses it into one pass.
+        Where `divides_in_step`, a select whose result is divided by the
+        closing divisor (`before_add`).
         """
         zero = tf.zeros((), ACC_DTYPE)
         squares = []
@@ -141,7 +154,7 @@ class TensorFlowOps(_window.WindowOps):
                 value = value * weight
             if self.divides_in_step:
                 total = tf.where(starting, value, acc.value + value)
-                acc.assign(total / closing_divisor)
+                acc.assign(total / self._closing_divisor)
             else:
                 tf.cond(
                     starting,
@@ -151,7 +164,7 @@ class TensorFlowOps(_window.WindowOps):
             if sampled is not None:
                 squares.append(self._squares_of_added(value, sampled, zero))
         if self.divides_in_step:
-            self._divided_by = closing_divisor
+            self._divided_by = self._closing_divisor
         if sampled is None:
             return None
         return tf.add_n(squares) if squares else zero
@@ -167,7 +180,7 @@ class TensorFlowOps(_window.WindowOps):
         )
 
     def all_finite(self, closing=True):
-        del closing  # The close runs in its conditional (`close_when`).
+        # `closing` unread: the close runs in its conditional (`close_when`).
         accs = [acc.value for acc in self.state.acc_grads]
         if self.xla:
             # One fused reduction each there, like the sums.
@@ -179,7 +192,7 @@ class TensorFlowOps(_window.WindowOps):
         )
 
     def sum_of_squares(self, closing=True):
-        del closing  # The close runs in its conditional (`close_when`).
+        # `closing` unread: the close runs in its conditional (`close_when`).
         squares = _sum_of_squares(
             [acc.value for acc in self.state.acc_grads], self.xla
         )
@@ -272,7 +285,7 @@ class CrossReplicaOps(_window.WindowOps):
         self._replica = replica_ops
         self._distribution = distribution
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
+    def add(self, grads, weight, starting, sampled):
         raise NotImplementedError("a micro-batch is added in replica context")
 
     def all_finite(self, closing=True):

@@ -167,8 +167,8 @@ class TorchOps(_window.WindowOps):
         self.variables = variables
         self.none_grads = none_grads
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
-        del closing_divisor  # Divided in place at the close.
+    def add(self, grads, weight, starting, sampled):
+        # Not divided here: in place at the close (`gradients`).
         accs = self.accumulators
         first = bool(starting)
         grads = [g.to(acc.dtype) for g, acc in zip(grads, accs, strict=True)]
@@ -193,7 +193,7 @@ class TorchOps(_window.WindowOps):
         return _window.sum_of_squares(grads)
 
     def all_finite(self, closing=True):
-        del closing  # Only a closing window asks.
+        # `closing` unread: only a closing window asks.
         # `_window.sums_finite`'s test, on norms: one call for every
         # accumulator, and an inf or NaN still stays in the total. A large
         # finite total may overflow, and asks for the elementwise test.
@@ -203,7 +203,7 @@ class TorchOps(_window.WindowOps):
         return _window.all_finite(self.accumulators)
 
     def sum_of_squares(self, closing=True):
-        del closing  # An eager close runs only when it closes.
+        # `closing` unread: an eager close runs only when it closes.
         return _window.sum_of_squares(self.accumulators)
 
     def gradients(self, divisor):

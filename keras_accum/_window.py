@@ -31,7 +31,7 @@ its own partial sum (`_jax_devices`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import keras
 
@@ -160,10 +160,14 @@ class ClosePolicy(NamedTuple):
     optimizer: Any = None
 
 
-class WindowOps:
+class WindowOps(Protocol):
     """What a backend does with the accumulators, replicas and optimizer.
 
     The rules below call these, and nothing else touches an accumulator.
+    `add`, `all_finite`, `sum_of_squares`, `gradients` and `apply` are what
+    every backend provides; `before_add`, `reduce_sum` and `each` have
+    working defaults for one device, which a backend overrides where it
+    needs to (TensorFlow's XLA divide and replicas, in `_tf_window.py`).
 
     `close` may run where the counters hold every replica's values (in
     TensorFlow's cross-replica context): the stages that read them run
@@ -171,21 +175,20 @@ class WindowOps:
     totals up.
     """
 
-    # Whether `add` divides a completing window (it then needs the
-    # `closing_divisor`).
-    divides_in_step = False
+    def before_add(self, added: Counters, complete) -> None:
+        """Told, before `add`, the counters with the micro-batch in and
+        whether it completes the window (a boolean scalar). Nothing by
+        default."""
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
+    def add(self, grads, weight, starting, sampled):
         """Adds `grads` (times `weight`, unless None) to the accumulators.
 
         A window's first micro-batch (`starting`, a boolean scalar)
         overwrites them instead: clearing them after an update would cost
-        a pass over every accumulator. `closing_divisor` is the window's
-        divisor where this micro-batch completes it, 1 elsewhere (only
-        where `divides_in_step`; `gradients` then knows). Returns the sum
-        of the squares of what it added where `sampled` (a boolean scalar)
-        holds, zero elsewhere; None where `sampled` is None (no window
-        estimates the noise scale).
+        a pass over every accumulator. Returns the sum of the squares of
+        what it added where `sampled` (a boolean scalar) holds, zero
+        elsewhere; None where `sampled` is None (no window estimates the
+        noise scale).
         """
         raise NotImplementedError
 
@@ -277,16 +280,8 @@ def accumulate(
     )
     complete = is_complete(added, plan.close_at_epoch_end)
     sampled = is_sampled(counters, plan.noise_every)
-    closing_divisor = None
-    if backend.divides_in_step:
-        closing_divisor = ops.where(
-            complete,
-            window_divisor(added.acc_normalizer),
-            ops.ones((), ACC_DTYPE),
-        )
-    squares = backend.add(
-        grads, share.weight, starting, sampled, closing_divisor
-    )
+    backend.before_add(added, complete)
+    squares = backend.add(grads, share.weight, starting, sampled)
     if squares is not None:
         # Divided by the micro-batch's count (its loss normalizer, or its
         # samples where the loss sums), a weighted gradient is the

@@ -46,7 +46,7 @@ class _Recording(_window.WindowOps):
         self.iterations = 0
         self.calls = []
 
-    def add(self, grads, weight, starting, sampled, closing_divisor):
+    def add(self, grads, weight, starting, sampled):
         self.calls.append("add")
         added = [
             ops.convert_to_tensor(g, "float32")
@@ -63,7 +63,6 @@ class _Recording(_window.WindowOps):
         return ops.where(sampled, squares, ops.zeros_like(squares))
 
     def all_finite(self, closing=True):
-        del closing  # Only a closing window asks.
         return _window.all_finite(self.accumulators)
 
     def sum_of_squares(self, closing=True):
