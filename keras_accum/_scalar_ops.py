@@ -34,6 +34,7 @@ ones_like = ops.ones_like
 square = ops.square
 stack = ops.stack
 sum = ops.sum
+unstack = ops.unstack
 where = ops.where
 zeros = ops.zeros
 zeros_like = ops.zeros_like
@@ -130,3 +131,8 @@ if keras.backend.backend() == "torch":
         if isinstance(x, torch.Tensor):
             return torch.isfinite(x)
         return ops.isfinite(x)
+
+    def unstack(x, axis=0):
+        if isinstance(x, torch.Tensor):
+            return list(torch.unbind(x, dim=axis))
+        return ops.unstack(x, axis=axis)

@@ -333,8 +333,10 @@ def close(
         `(counters, applied)`: the new counters, and whether the optimizer
         applied the window (a boolean scalar).
     """
-    totals = backend.reduce_sum(
-        backend.each(local_totals, counters, backend, should_close)
+    totals = Totals.unpack(
+        backend.reduce_sum(
+            backend.each(local_totals, counters, backend, should_close)
+        )
     )
     finite, go = decide(totals, should_close, policy.scales_loss)
     # From the window as it closes, before the update; each replica's own.
@@ -346,16 +348,18 @@ def close(
     rate = None
     if policy.auto is not None:
         rate = _auto_rules.learning_rate(
-            counters, policy.auto, counters.mini_step, totals[2]
+            counters, policy.auto, counters.mini_step, totals.samples
         )
     with _compat.learning_rate_scaled(policy.optimizer, rate):
-        iterations = backend.apply(go, window_divisor(totals[0]))
+        iterations = backend.apply(go, window_divisor(totals.normalizer))
     closed = Closed(totals, finite, iterations, trace, grad_sq)
     if policy.auto is not None:
         # The controller steers every replica alike, from their mean (under
         # `tf.distribute`, a second exchange of three scalars per update).
-        packed = backend.reduce_sum(backend.each(_packed, trace, grad_sq))
-        estimates = (packed[0] / packed[2], packed[1] / packed[2])
+        trace_sum, grad_sq_sum, replicas = ops.unstack(
+            backend.reduce_sum(backend.each(_packed, trace, grad_sq))
+        )
+        estimates = (trace_sum / replicas, grad_sq_sum / replicas)
         closed = closed._replace(
             steering=Steering(estimates, (rate, go), policy.auto)
         )
@@ -380,8 +384,30 @@ class Steering(NamedTuple):
     config: Any
 
 
+class Totals(NamedTuple):
+    """A closing window's totals, summed over replicas.
+
+    Attributes:
+        normalizer: Its loss normalizers' sum, the update's divisor.
+        loss: Its loss, weighted like the gradients.
+        samples: Its samples.
+        nonfinite: The replicas whose accumulators were not finite.
+    """
+
+    normalizer: Any
+    loss: Any
+    samples: Any
+    nonfinite: Any
+
+    @classmethod
+    def unpack(cls, packed) -> Totals:
+        """From `local_totals`' vector (packed for one exchange)."""
+        return cls(*ops.unstack(packed))
+
+
 def local_totals(counters: Counters, backend: WindowOps, closing=True):
-    """`[normalizer, loss, samples, non-finite flag]` of the window here.
+    """`[normalizer, loss, samples, non-finite flag]` of the window here,
+    packed as one vector (`Totals.unpack` names them).
 
     The flag counts only where `closing` holds (`WindowOps.all_finite`).
 
@@ -411,8 +437,8 @@ def decide(totals, should_close=True, scales_loss: bool = False):
     accumulators hold loss-scaled gradients; the scale changes only at an
     update, so one window's micro-batches share it.)
     """
-    finite = totals[3] == 0.0
-    go = ops.logical_and(should_close, totals[2] > 0)
+    finite = totals.nonfinite == 0.0
+    go = ops.logical_and(should_close, totals.samples > 0)
     if not scales_loss:
         go = ops.logical_and(go, finite)
     return finite, go
@@ -422,7 +448,7 @@ class Closed(NamedTuple):
     """What a closing window publishes (`finish`).
 
     Attributes:
-        totals: `local_totals` summed over replicas.
+        totals: Its `Totals`.
         finite: Whether its gradient was finite.
         iterations: `optimizer.iterations` after the update, if any.
         trace, grad_sq: Its noise-scale estimates (NaN if none).
@@ -447,7 +473,7 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
     micro-batch overwrites them (see `WindowOps.add`).
     """
     totals = closed.totals
-    publish = ops.logical_and(should_close, totals[2] > 0)
+    publish = ops.logical_and(should_close, totals.samples > 0)
     micro_steps = closed.micro_steps
     if micro_steps is None:
         micro_steps = counters.mini_step
@@ -459,8 +485,8 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
     steering = closed.steering
     rate = None if steering is None else steering.rate[0]
     published = {
-        "log_loss": totals[1] / window_divisor(totals[0]),
-        "log_samples": totals[2],
+        "log_loss": totals.loss / window_divisor(totals.normalizer),
+        "log_samples": totals.samples,
         "log_update": closed.iterations,
         "log_micro": micro_steps,
         "log_trace": closed.trace,
@@ -501,7 +527,7 @@ def _steered(counters: Counters, closed: Closed, publish, micro_steps):
         ops.logical_and(ops.isfinite(trace), ops.isfinite(grad_sq)),
     )
     # Every replica's samples (the totals'), per micro-batch.
-    micro_batch = closed.totals[2] / ops.maximum(_float(micro_steps), 1.0)
+    micro_batch = closed.totals.samples / ops.maximum(_float(micro_steps), 1.0)
     return _auto_rules.steer(
         counters,
         (trace, grad_sq, taken),

@@ -20,6 +20,11 @@ def _t(value, dtype):
 
 
 def _same(got, expected):
+    if isinstance(expected, (list, tuple)):  # `unstack`
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            _same(g, e)
+        return
     assert keras.backend.standardize_dtype(got.dtype) == (
         keras.backend.standardize_dtype(expected.dtype)
     )
@@ -54,6 +59,7 @@ CASES = [
     ("isfinite", (_t(RING, "float32"),)),
     ("stack", ([_t(1.0, "float32"), _t(2.0, "float32")],)),
     ("stack", ([_t(1, "int32"), _t(2.0, "float32")],)),
+    ("unstack", (_t([1.0, 2.0, 3.0, 0.0], "float32"),)),
 ]
 
 

@@ -213,8 +213,17 @@ def test_under_loss_scaling_a_non_finite_window_goes_to_the_optimizer():
 
 
 def test_a_window_without_samples_applies_nothing():
-    _, go = _window.decide(ops.convert_to_tensor([0.0, 0.0, 0.0, 0.0]))
+    totals = _window.Totals.unpack(ops.convert_to_tensor([0.0, 0.0, 0.0, 0.0]))
+    assert float(totals.samples) == 0.0
+    _, go = _window.decide(totals)
     assert not bool(go)
+    # The packed vector's entries, by name: normalizer, loss, samples and
+    # the non-finite flag.
+    named = _window.Totals.unpack(ops.convert_to_tensor([4.0, 2.0, 8.0, 1.0]))
+    assert [float(v) for v in named] == [4.0, 2.0, 8.0, 1.0]
+    assert float(named.samples) == 8.0 and float(named.nonfinite) == 1.0
+    finite, go = _window.decide(named)
+    assert not bool(finite) and not bool(go)
 
 
 def test_should_close_false_changes_nothing_but_the_apply_is_not_run():
