@@ -78,14 +78,12 @@ class WindowEpochs(keras.callbacks.Callback):
         # Not a log key: the default logs stay those of `keras.Model`, so
         # tooling that reads them sees no difference at `accum_steps=1`.
         # A skip is a divergence from plain training, though, so it is
-        # never silent. The epoch's count is left on the model for
-        # `PseudoBatchLogger`.
+        # never silent (`PseudoBatchLogger` counts it too, for its logs).
         model = self._accum_model
         total = model.skipped_windows
         # `compile()` rebuilds the window state, restarting the count.
         skipped = max(0, total - self._skipped_before)
         self._skipped_before = total
-        model._epoch_skipped_windows = skipped
         if skipped == 0 or isinstance(
             model.optimizer, keras.optimizers.LossScaleOptimizer
         ):

@@ -223,6 +223,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         self.updates: list[PseudoBatch] = []
         self._read = 0
         self._epoch_start = 0
+        self._skipped_start = 0
         self._batches_since_read = 0
         self._read_every = 1
         self._writer = None
@@ -260,6 +261,7 @@ class PseudoBatchLogger(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = len(self.updates)
+        self._skipped_start = self.model.skipped_windows
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
@@ -290,8 +292,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         else:
             logs["pseudo_batch_loss_mean"] = float("nan")
             logs["pseudo_batch_loss_std"] = float("nan")
-        # Counted once, by the model, when the epoch's last window closed.
-        logs["pseudo_batch_skipped_windows"] = self.model._epoch_skipped_windows
+        # The epoch's last window has closed by now (`WindowEpochs`);
+        # `compile()` restarts the model's count.
+        logs["pseudo_batch_skipped_windows"] = max(
+            0, self.model.skipped_windows - self._skipped_start
+        )
         length = self._next_window_length()
         logs["pseudo_batch_window_length"] = length
         # The effective batch of the windows to come: their length times

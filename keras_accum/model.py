@@ -258,8 +258,6 @@ class AccumModel(_Trainer, keras.Model):
         self._partial_window = partial_window
         self._noise_scale_every = 0
         self._epoch = 0
-        # Windows skipped in the last finished epoch (`WindowEpochs`).
-        self._epoch_skipped_windows = 0
         self._reset_window_state()
 
     # -- Public surface -------------------------------------------------------
