@@ -222,6 +222,159 @@ except ImportError:  # Keras before 3.11 has no Flax NNX mode.
         return False
 
 
+# -- Access to private members ------------------------------------------------
+# Every read or write of a private Keras member goes through one of these
+# (`PRIVATE_MEMBERS` below says why each is needed); overriding a Keras
+# hook (`_symbolic_build`, ...) is the only other use, and a test holds it.
+
+
+def sublayers(layer, include_self=True, recursive=True) -> list:
+    """`layer` and every layer it holds (`Layer._flatten_layers`)."""
+    return list(
+        layer._flatten_layers(include_self=include_self, recursive=recursive)
+    )
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds `model`, its metrics and optimizer from a batch's spec, as
+    `fit` does before its first step (`Trainer._symbolic_build`)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def seed_generators(layer) -> list:
+    """The random number generators a layer draws from."""
+    return list(layer._seed_generators)
+
+
+def variable_layout(variable):
+    """A variable's layout under a `keras.distribution`, or None."""
+    return getattr(variable, "_layout", None)
+
+
+def backing_value(variable):
+    """A variable's backing value, without `Variable.value`'s autocast
+    lookup (PyTorch: about 3 µs a read)."""
+    return variable._value
+
+
+def release_value(variable) -> None:
+    """Drops a variable's backing value: JAX's step donates the buffer,
+    and `jax_state_sync` reattaches the new one, as Keras does."""
+    variable._value = None
+
+
+def jax_state(model):
+    """`(state, synced)`: the JAX trainer's state between steps (None
+    outside `fit`) and whether it is attached to the variables."""
+    return getattr(model, "_jax_state", None), model._jax_state_synced
+
+
+def call_takes_training(model) -> bool:
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """The loss of a batch as Keras's own step computes and reports it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def track_loss(model, loss, sample_weight) -> None:
+    """Adds a step's loss to the running mean `fit` logs as `loss`."""
+    model._loss_tracker.update_state(loss, sample_weight=sample_weight)
+
+
+def update_metrics_variables(model, *args):
+    """The JAX step's metric updates: `(logs, metrics variables)`."""
+    return model._update_metrics_variables(*args)
+
+
+def override_losses(layer, losses) -> None:
+    """Makes `layer.losses` the forward pass's `losses` (JAX's stateless
+    step), or restores Keras's own where `losses` is None."""
+    layer._losses_override.clear()
+    if losses is not None:
+        layer._losses_override = losses
+
+
+def aggregate_additional_loss(model, value):
+    """A regularization loss's value as Keras adds it to the loss."""
+    return model._aggregate_additional_loss(value)
+
+
+def compiled_parts(model):
+    """`(compiled loss, compiled metrics)`, each None before `compile`."""
+    return (
+        getattr(model, "_compile_loss", None),
+        getattr(model, "_compile_metrics", None),
+    )
+
+
+def flat_losses(model):
+    """Each compiled loss (for its `reduction`), or None."""
+    return getattr(compiled_parts(model)[0], "_flat_losses", None)
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a `tf.distribute` strategy spans several workers."""
+    return bool(strategy.extended._in_multi_worker_mode())
+
+
+def strategy_supports_no_merge_call() -> bool:
+    """Whether the current `tf.distribute` strategy applies an optimizer
+    without `merge_call` (TensorFlow's `tf.__internal__`)."""
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def clip_gradients(optimizer, grads):
+    """`optimizer`'s clipping (`clipnorm`, `clipvalue`, ...) of `grads`."""
+    return optimizer._clip_gradients(grads)
+
+
+def source_dataset(iterator):
+    """The `tf.data.Dataset` a Keras epoch iterator distributes, or None:
+    `TFEpochIterator._distributed_dataset`, unwrapped from TensorFlow's
+    `DistributedDataset._original_dataset`."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    return getattr(dataset, "_original_dataset", dataset)
+
+
+def initial_epoch(model) -> int:
+    """Where `fit` starts (set by `BackupAndRestore`)."""
+    return model._initial_epoch or 0
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    model._initial_epoch = epoch
+
+
+def backup_files(backup) -> tuple:
+    """A `BackupAndRestore`'s weights and metadata files, for messages."""
+    return (
+        getattr(backup, "_weights_path", backup.backup_dir),
+        getattr(backup, "_training_metadata_path", "its metadata"),
+    )
+
+
+def input_layer(tensor):
+    """The layer that made a symbolic tensor."""
+    return tensor._keras_history.operation
+
+
+def batch_moments(layer, inputs, mask):
+    """A `BatchNormalization`'s mean and variance of a batch."""
+    return layer._moments(inputs, mask)
+
+
+def reduction_axes(layer) -> list:
+    """The axes a `BatchNormalization` normalizes over."""
+    return list(layer._reduction_axes)
+
+
 # -- Private members of public objects ----------------------------------------
 # Read, set or overridden where Keras (or TensorFlow) has no public hook;
 # the same from Keras 3.10 to 3.15. tests/test_compat.py checks that the

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from keras_accum import _window
+from keras_accum import _compat, _window
 
 
 class BatchAxis(NamedTuple):
@@ -75,7 +75,7 @@ def batch_axis(weights=()) -> BatchAxis | None:
 
 
 def _sharded_over(weight, name: str) -> bool:
-    layout = getattr(weight, "_layout", None)
+    layout = _compat.variable_layout(weight)
     for axis in getattr(layout, "axes", None) or ():
         if axis == name or (isinstance(axis, tuple) and name in axis):
             return True
@@ -134,7 +134,7 @@ def maps_over_devices(model, axis: BatchAxis, x) -> bool:
         return False
     return not any(
         isinstance(layer, keras.layers.BatchNormalization)
-        for layer in model._flatten_layers()
+        for layer in _compat.sublayers(model)
     )
 
 
@@ -143,8 +143,8 @@ def seed_states(model) -> tuple:
     non-trainable variables."""
     states = {
         id(generator.state)
-        for layer in model._flatten_layers()
-        for generator in layer._seed_generators
+        for layer in _compat.sublayers(model)
+        for generator in _compat.seed_generators(layer)
     }
     return tuple(
         i

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import keras
 
-from keras_accum import _jax_devices, _window
+from keras_accum import _compat, _jax_devices, _window
 from keras_accum._trainer import AccumTrainer
 
 
@@ -80,7 +80,7 @@ class JaxAccumTrainer(AccumTrainer):
             # The step donates these buffers; `jax_state_sync` reattaches
             # the new values, as Keras does for the model's variables.
             for variable in window.variables:
-                variable._value = None
+                _compat.release_value(variable)
         return tuple(state)
 
     def _get_state_sharding_spec(self):
@@ -92,9 +92,9 @@ class JaxAccumTrainer(AccumTrainer):
         return trainable, non_trainable, [*optimizer, *window], metrics
 
     def jax_state_sync(self):
-        state = getattr(self, "_jax_state", None)
+        state, synced = _compat.jax_state(self)
         window = self._window
-        if state and not self._jax_state_synced and window is not None:
+        if state and not synced and window is not None:
             values = state.get("optimizer_variables") or []
             count = len(self.optimizer.variables)
             if len(values) == count + len(window.variables):
@@ -157,8 +157,8 @@ class JaxAccumTrainer(AccumTrainer):
         non_trainable = self._run_close_hooks(non_trainable, applied, complete)
 
         # Metrics.
-        logs, metrics = self._update_metrics_variables(
-            metrics, out.loss, x, y, out.y_pred, sample_weight
+        logs, metrics = _compat.update_metrics_variables(
+            self, metrics, out.loss, x, y, out.y_pred, sample_weight
         )
         window = window_state.pack(backend.accumulators, counters)
         state = (
@@ -182,7 +182,7 @@ class JaxAccumTrainer(AccumTrainer):
             `(scaled objective, _ObjectiveOut)`.
         """
         kwargs = {}
-        if self._call_has_training_arg:
+        if _compat.call_takes_training(self):
             kwargs["training"] = True
         y_pred, non_trainable, losses = self.stateless_call(
             trainable, values.non_trainable, x, return_losses=True, **kwargs
@@ -198,17 +198,10 @@ class JaxAccumTrainer(AccumTrainer):
         if losses:
             # The forward pass's losses (regularization included), for
             # `compute_loss` and the window's regularization term.
-            self._losses_override.clear()
-            self._losses_override = losses
+            _compat.override_losses(self, losses)
         try:
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                loss = self._compute_loss(
-                    x,
-                    y,
-                    y_pred,
-                    sample_weight=sample_weight,
-                    training=True,
-                )
+                loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
                 batch_size = next(
                     i for i in keras.tree.flatten(x) if i is not None
                 ).shape[0]
@@ -219,7 +212,7 @@ class JaxAccumTrainer(AccumTrainer):
                     loss = self._device_loss(loss, share, values.device)
         finally:
             if losses:
-                self._losses_override.clear()
+                _compat.override_losses(self, None)
         non_trainable = [
             scope.get_current_value(v) for v in self.non_trainable_variables
         ]

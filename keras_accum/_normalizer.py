@@ -49,7 +49,7 @@ def reductions(model) -> list:
     given to `compile` (Keras resolves names and functions to losses with
     the default reduction).
     """
-    flat = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+    flat = _compat.flat_losses(model)
     if flat is not None:
         losses = [entry.loss for entry in flat]
     else:
@@ -123,7 +123,7 @@ def static_entries(model):
     static, and whether any layer can mask."""
     maskable = any(
         type(layer).compute_mask is not keras.layers.Layer.compute_mask
-        for layer in model._flatten_layers()
+        for layer in _compat.sublayers(model)
         if not isinstance(layer, keras.Model)
     )
     outputs = getattr(model, "outputs", None)

@@ -46,25 +46,18 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
         # Forward pass under the tape.
         with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
+            if _compat.call_takes_training(self):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
 
             # Loss, as Keras reports it.
-            loss = self._compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
+            loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
             batch_size = tf.shape(
                 next(i for i in keras.tree.flatten(x) if i is not None)
             )[0]
-            self._loss_tracker.update_state(
-                _compat.unscale_loss_for_distribution(loss),
-                sample_weight=batch_size,
+            _compat.track_loss(
+                self, _compat.unscale_loss_for_distribution(loss), batch_size
             )
 
             # Scale: the micro-batch's share of the window's loss.
@@ -231,7 +224,7 @@ def _check_created_in_scope(variables, strategy) -> None:
 def _multi_worker(strategy) -> bool:
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and bool(strategy.extended._in_multi_worker_mode())
+    ) and _compat.in_multi_worker_mode(strategy)
 
 
 def _dense_part(gradient):

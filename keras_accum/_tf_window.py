@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from keras_accum import _window
+from keras_accum import _compat, _window
 from keras_accum._window import WindowState
 from keras_accum._window_fields import ACC_DTYPE, TOTALS
 
@@ -66,7 +66,7 @@ def needs_merge_call() -> bool:
     of `tf.distribute`), which may not sit inside a per-replica
     conditional."""
     return tf.distribute.has_strategy() and not (
-        tf.__internal__.distribute.strategy_supports_no_merge_call()
+        _compat.strategy_supports_no_merge_call()
     )
 
 
@@ -429,7 +429,7 @@ def _clip_across_replicas(optimizer, grads):
     ):
         return grads
     grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-    grads = optimizer._clip_gradients(grads)
+    grads = _compat.clip_gradients(optimizer, grads)
     replicas = ctx.num_replicas_in_sync
     return [g / tf.cast(replicas, g.dtype) for g in grads]
 

@@ -18,7 +18,7 @@ import warnings
 import keras
 import torch
 
-from keras_accum import _window
+from keras_accum import _compat, _window
 from keras_accum._trainer import AccumTrainer
 
 ACC = getattr(torch, _window.ACC_DTYPE)
@@ -55,18 +55,16 @@ class TorchAccumTrainer(AccumTrainer):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
         # Forward pass; the leftover gradients of the last step cleared.
-        if self._call_has_training_arg:
+        if _compat.call_takes_training(self):
             y_pred = self(x, training=True)
         else:
             y_pred = self(x)
         self.zero_grad()
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+        loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
         batch_size = next(
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
-        self._loss_tracker.update_state(loss, sample_weight=batch_size)
+        _compat.track_loss(self, loss, batch_size)
         # Collected once, after the forward pass (which may build layers):
         # each `trainable_weights` walks the layers.
         variables = self.trainable_weights
@@ -162,7 +160,9 @@ class TorchOps(_window.WindowOps):
     """
 
     def __init__(self, state, optimizer, variables, none_grads):
-        self.accumulators = [acc._value for acc in state.acc_grads]
+        self.accumulators = [
+            _compat.backing_value(acc) for acc in state.acc_grads
+        ]
         self.optimizer = optimizer
         self.variables = variables
         self.none_grads = none_grads
@@ -232,11 +232,12 @@ def _read(state) -> _window.Counters:
     # `Variable._value`: `.value` looks for an autocast scope on every read
     # (about 3 µs each, 23 counters a micro-batch on the eager step), and
     # the window's variables are float32 and int32, which it leaves alone.
-    return _window.Counters(*(v._value for v in state.counters))
+    value = _compat.backing_value
+    return _window.Counters(*(value(v) for v in state.counters))
 
 
 def _assign_in_place(variable, value):
     # The rules make each counter's value in its variable's dtype and
     # shape: Keras's `assign` would convert and check it again, which on a
     # small model costs more per step than the copies.
-    variable._value.copy_(value)
+    _compat.backing_value(variable).copy_(value)

@@ -83,7 +83,7 @@ class AccumTrainer:
             if spec is not None:
                 try:
                     with self.distribute_strategy.scope():
-                        self._symbolic_build(data_batch=spec)
+                        _compat.symbolic_build(self, spec)
                 except Exception:  # noqa: BLE001
                     # Left to Keras: a strategy's batch, or the first trace.
                     pass
@@ -100,10 +100,7 @@ class AccumTrainer:
             and (optimizer is None or optimizer.built)
             and all(
                 part is None or part.built
-                for part in (
-                    getattr(self, "_compile_loss", None),
-                    getattr(self, "_compile_metrics", None),
-                )
+                for part in _compat.compiled_parts(self)
             )
         )
 
@@ -120,7 +117,7 @@ class AccumTrainer:
         # Layers outside the forward pass, left unbuilt (see
         # `forward_layers`), for the message if one builds later.
         self._window_unbuilt = {
-            id(layer) for layer in self._flatten_layers() if not layer.built
+            id(layer) for layer in _compat.sublayers(self) if not layer.built
         }
         self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
         self._restore_controller()
@@ -144,7 +141,7 @@ class AccumTrainer:
         (`AccumBatchNormalization`)."""
         return [
             layer._follow_window()
-            for layer in self._flatten_layers()
+            for layer in _compat.sublayers(self)
             if callable(getattr(layer, "_follow_window", None))
         ]
 
@@ -172,7 +169,7 @@ class AccumTrainer:
         removed = len(before - set(now))
         unbuilt = [
             layer.name
-            for layer in self._flatten_layers()
+            for layer in _compat.sublayers(self)
             if layer.built and id(layer) in self._window_unbuilt
         ]
         message = (
@@ -254,7 +251,7 @@ class AccumTrainer:
     def _after_window_load(self):
         self._assign_target_length()
         warn_if_lora_reset(
-            self._flatten_layers(), self.trainable_variables, self._window
+            _compat.sublayers(self), self.trainable_variables, self._window
         )
 
     def _assign_target_length(self):
@@ -382,7 +379,9 @@ class AccumTrainer:
         return _window.next_window_length(counters, scheduled)
 
     def _regularization_loss(self, dtype):
-        losses = [self._aggregate_additional_loss(v) for v in self.losses]
+        losses = [
+            _compat.aggregate_additional_loss(self, v) for v in self.losses
+        ]
         if not losses:
             return ops.zeros((), dtype)
         total = losses[0]
@@ -551,7 +550,7 @@ def forward_layers(model) -> list:
     if isinstance(model, Functional):
         children = model.layers
     else:
-        children = model._flatten_layers(include_self=False, recursive=False)
+        children = _compat.sublayers(model, include_self=False, recursive=False)
     found = [model]
     for child in children:
         found.extend(forward_layers(child))
@@ -572,10 +571,7 @@ def _element_spec(iterator):
     tensors again: a transient copy of the whole training data, twice its
     size at peak.
     """
-    # Keras 3.15 `TFEpochIterator._distributed_dataset`; TensorFlow's
-    # `DistributedDataset._original_dataset`.
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    dataset = getattr(dataset, "_original_dataset", dataset)
+    dataset = _compat.source_dataset(iterator)
     return getattr(dataset, "element_spec", None)
 
 

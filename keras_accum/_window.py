@@ -702,7 +702,7 @@ def layout_like(like, shape):
         # None for a weight created before the distribution was set: the
         # accumulator then gets the distribution's layout for its own
         # path, as the optimizer's slot does.
-        return getattr(like, "_layout", None)
+        return _compat.variable_layout(like)
     return keras.distribution.TensorLayout(
         [None] * len(shape), distribution.device_mesh
     )

@@ -15,6 +15,7 @@ import warnings
 
 import keras
 
+from keras_accum import _compat
 from keras_accum._window_log import MINIMIZED_LOG_KEYS
 
 
@@ -142,10 +143,8 @@ class WindowResume(keras.callbacks.Callback):
         epoch, epoch_step = position
         # Where `BackupAndRestore` says to resume (Keras 3.10-3.15 keep it
         # as `_initial_epoch`, which `fit` reads after this).
-        keras_epoch = model._initial_epoch or 0
-        backup = self._backups[0]
-        files = getattr(backup, "_weights_path", backup.backup_dir)
-        metadata = getattr(backup, "_training_metadata_path", "its metadata")
+        keras_epoch = _compat.initial_epoch(model)
+        files, metadata = _compat.backup_files(self._backups[0])
         updates = int(model.optimizer.iterations.numpy())
         if epoch_step > 0:
             warnings.warn(
@@ -168,4 +167,4 @@ class WindowResume(keras.callbacks.Callback):
                 f"(Keras would train epoch {keras_epoch + 1} again).",
                 stacklevel=2,
             )
-        model._initial_epoch = epoch
+        _compat.set_initial_epoch(model, epoch)

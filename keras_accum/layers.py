@@ -8,6 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_accum import _compat
 from keras_accum._compat import Functional, functional_like_constructor
 
 
@@ -191,7 +192,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         inputs = ops.cast(inputs, compute_dtype)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = _compat.batch_moments(self, inputs, mask)
         self._add_to_window(inputs, mask, mean, variance)
         outputs = ops.batch_normalization(
             x=inputs,
@@ -218,7 +219,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if mask is None:
             shape = ops.shape(inputs)
             count = 1.0
-            for axis in self._reduction_axes:
+            for axis in _compat.reduction_axes(self):
                 count = count * ops.cast(shape[axis], "float32")
         else:
             count = ops.sum(ops.cast(mask, "float32"))
@@ -370,7 +371,7 @@ def _new_input(tensor):
     """A new input like the functional model's input `tensor`, named as its
     `InputLayer` (`clone_model` names it after the tensor: an input made
     without a name would become "keras_tensor_12")."""
-    layer = tensor._keras_history.operation
+    layer = _compat.input_layer(tensor)
     kwargs = {"name": tensor.name}
     if isinstance(layer, keras.layers.InputLayer):
         kwargs["name"] = layer.name
@@ -415,8 +416,8 @@ def _copy_trainable(old, new, clones):
         return
     # A layer made from its config has the same sublayers, listed in the
     # same order, parents before their sublayers.
-    olds = old._flatten_layers(include_self=False)
-    news = new._flatten_layers(include_self=False)
+    olds = _compat.sublayers(old, include_self=False)
+    news = _compat.sublayers(new, include_self=False)
     if [type(x) for x in olds] == [type(x) for x in news]:
         for source, target in zip(olds, news, strict=True):
             target.trainable = source.trainable
@@ -427,7 +428,7 @@ def _window_weights(layer):
     layers in `layer`: not copied, a new window starts empty."""
     return {
         id(variable)
-        for sublayer in layer._flatten_layers(include_self=True)
+        for sublayer in _compat.sublayers(layer)
         if isinstance(sublayer, AccumBatchNormalization) and sublayer.built
         for variable in (
             sublayer.window_count,
@@ -461,7 +462,7 @@ def _copy_weights(old, new):
 def _warn_unconverted(model):
     left = [
         f"{layer.name!r} ({type(layer).__name__})"
-        for layer in model._flatten_layers(include_self=False)
+        for layer in _compat.sublayers(model, include_self=False)
         if isinstance(layer, keras.layers.BatchNormalization)
         and not isinstance(layer, AccumBatchNormalization)
     ]
