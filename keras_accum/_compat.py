@@ -54,7 +54,7 @@ warn_if_untested()
 # present from Keras 3.10 to 3.15.
 
 # How a micro-batch's loss was reduced: the mask a loss applies
-# (`_trainer._loss_normalizer` counts the entries it averaged over).
+# (`_normalizer.normalizer` counts the entries it averaged over).
 from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
 
 # A loss under `tf.distribute` is pre-divided by the replica count
