@@ -89,9 +89,10 @@ def collective_bytes(hlo: str) -> dict:
     return totals
 
 
-def step_bytes(model, x, y) -> dict:
-    """`collective_bytes` of `model`'s train step (built, under the current
-    `keras.distribution`) compiled as `fit` compiles it, on `(x, y)`."""
+def compiled_step(model, x, y, donate: bool = False):
+    """`model`'s train step (built, under the current `keras.distribution`)
+    jitted and compiled as `fit` compiles it, on `(x, y)`; with `donate`,
+    the state's buffers donated, as `fit` does."""
     import jax
     import keras
 
@@ -100,7 +101,6 @@ def step_bytes(model, x, y) -> dict:
         non_trainable_variables=True,
         optimizer_variables=True,
         metrics_variables=True,
-        purge_model_variables=False,
     )
     layout = keras.distribution.distribution().get_data_layout
     data = tuple(
@@ -108,6 +108,12 @@ def step_bytes(model, x, y) -> dict:
     )
     step = jax.jit(
         model.train_step,
+        donate_argnums=0 if donate else (),
         out_shardings=(None, model._get_state_sharding_spec()),
     )
-    return collective_bytes(step.lower(state, data).compile().as_text())
+    return step.lower(state, data).compile()
+
+
+def step_bytes(model, x, y) -> dict:
+    """`collective_bytes` of `model`'s compiled train step on `(x, y)`."""
+    return collective_bytes(compiled_step(model, x, y).as_text())

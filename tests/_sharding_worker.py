@@ -38,7 +38,7 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _collectives import collective_bytes
+from _collectives import collective_bytes, compiled_step
 from _helpers import LargeBatch, UpdateRecorder, assert_equivalent
 
 import keras_accum
@@ -99,27 +99,6 @@ def fit(model, x, y, batch_size):
     return recorder.updates
 
 
-def compiled_step(model, x, y, batch_size):
-    """The train step as Keras jits it under a distribution, compiled."""
-    state = model._get_jax_state(
-        trainable_variables=True,
-        non_trainable_variables=True,
-        optimizer_variables=True,
-        metrics_variables=True,
-    )
-    layout = keras.distribution.distribution().get_data_layout
-    batch = tuple(
-        jax.device_put(a[:batch_size], layout(a.shape).backend_layout)
-        for a in (x, y)
-    )
-    step = jax.jit(
-        model.train_step,
-        donate_argnums=0,
-        out_shardings=(None, model._get_state_sharding_spec()),
-    )
-    return step.lower(state, batch).compile()
-
-
 def main():
     keras.distribution.set_distribution(distribution())
     x, y = data()
@@ -161,7 +140,7 @@ def main():
     counters = [str(v.value.sharding.spec) for v in accum._window.counters]
     memory, collectives, communication = {}, {}, {}
     for name, m, batch in (("plain", plain, B * K), ("accum", accum, B)):
-        compiled = compiled_step(m, x, y, batch)
+        compiled = compiled_step(m, x[:batch], y[:batch], donate=True)
         analysis = compiled.memory_analysis()
         memory[name] = {
             field: int(getattr(analysis, f"{field}_size_in_bytes"))
