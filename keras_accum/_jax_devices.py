@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_accum import _compat, _window
+from keras_accum._jax_ops import JaxOps, only_if
 
 
 class BatchAxis(NamedTuple):
@@ -307,3 +308,31 @@ def _check_invariant(values, axis: BatchAxis) -> None:
                 "`BatchNormalization` are handled; please report this "
                 f"model. Received: a value of shape {value.shape}"
             )
+
+
+class PartialSumOps(JaxOps):
+    """`JaxOps` where each accumulator holds each device's partial sum of
+    the window along a leading axis, and the gradients added come that
+    way: the window's sum is theirs, taken when the window is read (the
+    window's one all-reduce, in the close's conditional)."""
+
+    def _sums(self, values):
+        return [keras.ops.sum(value, axis=0) for value in values]
+
+    def _squares_added(self, added, sampled):
+        # The micro-batch's whole gradient: summed over devices only in
+        # sampled windows.
+        return only_if(sampled, _squares_of_sums, added)
+
+    def sum_of_squares(self, closing=True):
+        return only_if(closing, _squares_of_sums, self.accumulators)
+
+    def _after_update(self, window_gradients, accumulators):
+        # The devices' sums keep their shape; the next micro-batch
+        # overwrites them.
+        return list(accumulators)
+
+
+def _squares_of_sums(values):
+    # Over the devices first: the square of the sum, not the sum of squares.
+    return _window.sum_of_squares([v.sum(axis=0) for v in values])

@@ -25,6 +25,7 @@ import jax
 import keras
 
 from keras_accum import _compat, _jax_devices, _window
+from keras_accum._jax_ops import JaxOps, iterations_index
 from keras_accum._trainer import AccumTrainer
 
 
@@ -140,14 +141,10 @@ class JaxAccumTrainer(AccumTrainer):
         non_trainable, metrics = out.non_trainable, out.metrics
 
         # Apply: into the window, and the window once it is complete.
-        backend = JaxOps(
-            accumulators,
-            self.optimizer,
-            trainable,
-            optimizer_values,
-            bool(window_state.partial_sums),
+        backend = _ops_class(window_state)(
+            accumulators, self.optimizer, trainable, optimizer_values
         )
-        updates = optimizer_values[_iterations_index(self.optimizer)]
+        updates = optimizer_values[iterations_index(self.optimizer)]
         counters, complete = _window.accumulate(
             counters, backend, out.grads, out.share, self._plan(updates)
         )
@@ -303,12 +300,8 @@ class JaxAccumTrainer(AccumTrainer):
         def flush_step(trainable, non_trainable, optimizer_values, values):
             accumulators, counters = window_state.unpack(values)
             closing = counters.mini_step > 0
-            backend = JaxOps(
-                accumulators,
-                optimizer,
-                trainable,
-                optimizer_values,
-                bool(window_state.partial_sums),
+            backend = _ops_class(window_state)(
+                accumulators, optimizer, trainable, optimizer_values
             )
             counters, applied = _window.close(
                 counters, backend, closing, self._jax_close_policy(backend)
@@ -369,141 +362,10 @@ class _StepValues(NamedTuple):
     device: Any = None
 
 
-class JaxOps(_window.WindowOps):
-    """The accumulators and optimizer of JAX's stateless step, as values.
-
-    Each operation returns or keeps new values (`accumulators`,
-    `trainable`, `optimizer_values`), which the step puts in its state.
-    With `partial_sums`, each accumulator holds each device's partial sum
-    along a leading axis (`_jax_devices`), and the gradients added come
-    that way: the window's sum is theirs, taken when the window is read.
-    """
-
-    def __init__(
-        self,
-        accumulators,
-        optimizer,
-        trainable,
-        optimizer_values,
-        partial_sums=False,
-    ):
-        self.accumulators = list(accumulators)
-        self.trainable = list(trainable)
-        self.optimizer_values = list(optimizer_values)
-        self._optimizer = optimizer
-        self._partial_sums = partial_sums
-
-    def _sums(self, values):
-        if not self._partial_sums:
-            return list(values)
-        # Over the devices: the window's one all-reduce.
-        return [keras.ops.sum(value, axis=0) for value in values]
-
-    def add(self, grads, weight, starting, sampled):
-        added = []
-        for grad in grads:
-            value = keras.ops.cast(grad, _window.ACC_DTYPE)
-            added.append(value if weight is None else value * weight)
-        self.accumulators = [
-            keras.ops.where(starting, value, acc + value)
-            for acc, value in zip(self.accumulators, added, strict=True)
-        ]
-        if sampled is None:
-            return None
-        if not self._partial_sums:
-            squares = _window.sum_of_squares(added)
-            return keras.ops.where(
-                sampled, squares, keras.ops.zeros_like(squares)
-            )
-        # The micro-batch's whole gradient: summed over devices only in
-        # sampled windows.
-        return self._only_if(sampled, _squares_of_sums, added)
-
-    def all_finite(self, closing=True):
-        if closing is True:
-            return _window.all_finite(self.accumulators)
-        # The step runs the close's stages on every micro-batch; in a
-        # conditional, the others skip this pass over the accumulators.
-        return jax.lax.cond(
-            closing, _window.all_finite, _finite_anyway, self.accumulators
-        )
-
-    def sum_of_squares(self, closing=True):
-        if not self._partial_sums:
-            return _window.sum_of_squares(self.accumulators)
-        return self._only_if(closing, _squares_of_sums, self.accumulators)
-
-    @staticmethod
-    def _only_if(condition, function, values):
-        """`function(values)` where `condition` holds, else zero; in a
-        conditional, so that the others skip its all-reduce."""
-        if condition is True:
-            return function(values)
-        return jax.lax.cond(condition, function, _zero_anyway, values)
-
-    def gradients(self, divisor):
-        return [acc / divisor for acc in self._sums(self.accumulators)]
-
-    def apply(self, go, divisor):
-        optimizer = self._optimizer
-        partial_sums = self._partial_sums
-
-        def apply(trainable, optimizer_values, accumulators):
-            window_gradients = [
-                acc / divisor for acc in self._sums(accumulators)
-            ]
-            grads = [
-                keras.ops.cast(g, value.dtype)
-                for g, value in zip(window_gradients, trainable, strict=True)
-            ]
-            trainable, optimizer_values = optimizer.stateless_apply(
-                optimizer_values, grads, trainable
-            )
-            if partial_sums:
-                # The devices' sums keep their shape; the next micro-batch
-                # overwrites them.
-                return trainable, optimizer_values, list(accumulators)
-            # The window's gradient becomes the accumulators' value (the
-            # next micro-batch overwrites it): XLA then divides each
-            # accumulator into its own buffer, where a quotient of every
-            # weight alive until the apply would cost a copy of the
-            # weights.
-            return trainable, optimizer_values, window_gradients
-
-        def keep(trainable, optimizer_values, accumulators):
-            return list(trainable), list(optimizer_values), list(accumulators)
-
-        # Only the chosen branch runs: one optimizer apply per window.
-        self.trainable, self.optimizer_values, self.accumulators = jax.lax.cond(
-            go,
-            apply,
-            keep,
-            self.trainable,
-            self.optimizer_values,
-            self.accumulators,
-        )
-        return self.optimizer_values[_iterations_index(optimizer)]
-
-
-def _squares_of_sums(values):
-    # Over the devices first: the square of the sum, not the sum of squares.
-    return _window.sum_of_squares([v.sum(axis=0) for v in values])
-
-
-def _zero_anyway(values):
-    del values
-    return jax.numpy.zeros((), _window.ACC_DTYPE)
-
-
-def _finite_anyway(accumulators):
-    del accumulators
-    return jax.numpy.asarray(True)
-
-
-def _iterations_index(optimizer):
-    # Where `optimizer.iterations` sits in the optimizer's values.
-    return next(
-        i
-        for i, variable in enumerate(optimizer.variables)
-        if variable is optimizer.iterations
-    )
+def _ops_class(window_state):
+    """The window's `WindowOps`: each device's partial sums under a
+    `keras.distribution` that splits the batch (`_jax_devices`), else the
+    one-device values."""
+    if window_state.partial_sums:
+        return _jax_devices.PartialSumOps
+    return JaxOps
