@@ -750,7 +750,9 @@ def test_a_lora_file_loads_when_its_window_is_closed_and_not_when_open(
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(loaded.predict(x, verbose=0)),
         predicted,
-        atol=1e-5,
+        # Float32 rounding of the merged kernel against the LoRA path, on
+        # any CPU; a LoRA update lost would differ by about 4e-3 here.
+        atol=1e-4,
     )
     # It trains on: 3 micro-batches, one window of 2 applied. (Keras
     # skips the optimizer's saved variables, which no longer match.)
