@@ -32,7 +32,7 @@ from keras.optimizers import LossScaleOptimizer
 
 from keras_accum import _compat, _window
 from keras_accum._window import WindowState
-from keras_accum._window_fields import ACC_DTYPE, TOTALS
+from keras_accum._window_fields import ACC_DTYPE, TOTALS, is_accumulator_key
 
 
 def create(trainable_variables, length, strategy, close_hooks=()):
@@ -42,7 +42,7 @@ def create(trainable_variables, length, strategy, close_hooks=()):
         # No layout to follow: Keras's TensorFlow backend implements no
         # `keras.distribution` (3.15; `check_model` warns of one).
         del like
-        summed = name.startswith("acc_grad_") or name in TOTALS
+        summed = is_accumulator_key(name) or name in TOTALS
         return keras.Variable(
             initializer="zeros",
             shape=shape,

@@ -42,6 +42,7 @@ from keras_accum._window_fields import (
     BY_NAME,
     COUNT_DTYPE,
     RESETS,
+    accumulator_key,
 )
 from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
@@ -741,7 +742,7 @@ class WindowState(SavedWindow):
     ) -> None:
         self.close_hooks = list(close_hooks)
         self.acc_grads = [
-            make_variable(f"acc_grad_{i}", tuple(v.shape), ACC_DTYPE, v)
+            make_variable(accumulator_key(i), tuple(v.shape), ACC_DTYPE, v)
             for i, v in enumerate(trainable_variables)
         ]
         self.counters = Counters(

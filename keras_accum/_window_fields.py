@@ -28,6 +28,21 @@ INT_MAX = 2**31 - 1
 FORMAT_VERSION = 1
 
 
+# The accumulators' names, in variables and files: one per trainable
+# weight, in the model's order (`acc_grad_0`, `acc_grad_1`, ...).
+_ACC_PREFIX = "acc_grad_"
+
+
+def accumulator_key(index: int) -> str:
+    """The name of the accumulator of the `index`-th trainable weight."""
+    return f"{_ACC_PREFIX}{index}"
+
+
+def is_accumulator_key(key: str) -> bool:
+    """Whether `key` names an accumulator (not a counter)."""
+    return key.startswith(_ACC_PREFIX) and key[len(_ACC_PREFIX) :].isdigit()
+
+
 class Field(NamedTuple):
     """One of the window's values.
 

@@ -31,6 +31,8 @@ from keras_accum._window_fields import (
     FORMAT_VERSION,
     INT_MAX,
     SAVED,
+    accumulator_key,
+    is_accumulator_key,
 )
 from keras_accum._window_log import read_array
 
@@ -133,7 +135,7 @@ class SavedWindow(KerasSaveable):
         for i, acc in enumerate(self.acc_grads):
             if self.partial_sums:
                 acc = self.partial_sums(acc)
-            store[f"acc_grad_{i}"] = acc
+            store[accumulator_key(i)] = acc
         for name in SAVED_COUNTERS:
             store[name] = getattr(self.counters, name)
         store[VERSION_KEY] = np.asarray(FORMAT_VERSION, COUNT_DTYPE)
@@ -149,9 +151,9 @@ class SavedWindow(KerasSaveable):
             values = check_saved_window(store, self._shapes(), self._rules())
         # Only once every entry passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
-            if f"acc_grad_{i}" not in values:
+            if accumulator_key(i) not in values:
                 break  # a closed window of another trainable set
-            value = np.asarray(values[f"acc_grad_{i}"])
+            value = np.asarray(values[accumulator_key(i)])
             if self.partial_sums:
                 value = np.concatenate(
                     [value[None], np.zeros((acc.shape[0] - 1, *value.shape))]
@@ -236,7 +238,7 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
         where = _where(store)
     keys = [str(key) for key in store.keys()]
     _check_version(store, keys, where)
-    saved = [key for key in keys if _is_accumulator(key)]
+    saved = [key for key in keys if is_accumulator_key(key)]
     _check_keys(
         [key for key in keys if key not in saved and key != VERSION_KEY], where
     )
@@ -246,7 +248,7 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     for name in SAVED_INTS:
         values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
     _check_values(values, rules, where)
-    expected = [f"acc_grad_{i}" for i in range(len(shapes))]
+    expected = [accumulator_key(i) for i in range(len(shapes))]
     mismatch = _trainable_mismatch(store, saved, expected, shapes)
     if mismatch:
         _trainable_set_changed(mismatch, int(values["mini_step"]), where)
@@ -254,12 +256,8 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
         # accumulators, which are left as they are.
         return values
     for name, shape in zip(expected, shapes, strict=True):
-        values[name] = _read(store, name, ("float32",), shape, where)
+        values[name] = _read(store, name, (ACC_DTYPE,), shape, where)
     return values
-
-
-def _is_accumulator(key):
-    return key.startswith("acc_grad_") and key[len("acc_grad_") :].isdigit()
 
 
 def _check_version(store, keys, where):

@@ -14,10 +14,12 @@ import numbers
 
 import keras
 
+from keras_accum._window_fields import INT_MAX
+
 LR_SCALINGS = (None, "sqrt", "linear", "adascale")
 # The longest window: its length and micro-batch counts are int32 in the
 # step on every backend.
-MAX_STEPS = 2**31 - 1
+MAX_STEPS = INT_MAX
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
