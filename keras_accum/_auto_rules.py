@@ -3,7 +3,8 @@ window's counters.
 
 `_window.close` runs them inside the compiled step on every backend:
 `learning_rate` gives a closing window's learning-rate factor, `steer`
-the controller's next state and the next windows' length. The settings
+the controller's next state (`_window.Controller`, the counters' `auto`
+group) and the next windows' length. The settings
 are the public `keras_accum.AutoAccumSteps`.
 """
 
@@ -37,9 +38,10 @@ class Rate(NamedTuple):
     progress: Any = None
 
 
-def learning_rate(counters, config: AutoAccumSteps, micro_steps, samples):
+def learning_rate(controller, config: AutoAccumSteps, micro_steps, samples):
     """The `Rate` of the window closing with `micro_steps` micro-batches
-    and `samples` samples; None where the learning rate is left alone."""
+    and `samples` samples, from the `controller`'s state; None where the
+    learning rate is left alone."""
     if config.lr_scaling is None:
         return None
     scale = _float(micro_steps) / float(config.min_steps)
@@ -49,12 +51,12 @@ def learning_rate(counters, config: AutoAccumSteps, micro_steps, samples):
         return Rate(scale)
     micro_batch = _float(samples) / ops.maximum(_float(micro_steps), 1.0)
     gain = adascale_gain(
-        counters.auto_trace,
-        counters.auto_grad_sq,
+        controller.trace,
+        controller.grad_sq,
         scale,
         micro_batch * config.min_steps,
     )
-    return Rate(gain, counters.auto_progress)
+    return Rate(gain, controller.progress)
 
 
 def adascale_gain(trace, grad_sq, scale, base_samples):
@@ -79,11 +81,12 @@ def adascale_gain(trace, grad_sq, scale, base_samples):
     return ops.clip(gain, low, high)
 
 
-def steer(counters, estimates, window, rate, config: AutoAccumSteps):
-    """The controller's counters after a window closed.
+def steer(controller, target_length, estimates, window, rate, config):
+    """The controller after a window closed, and the next windows' length.
 
     Args:
-        counters: The window's counters after `_window.finish`.
+        controller: The `_window.Controller` (its values) before it.
+        target_length: The length of the windows that would start now.
         estimates: `(trace, grad_sq, taken)`: the closed window's noise
             estimates (over every replica) and whether they count (the
             window closed with samples, and both are finite).
@@ -95,7 +98,7 @@ def steer(counters, estimates, window, rate, config: AutoAccumSteps):
         config: The `AutoAccumSteps`.
 
     Returns:
-        A dict of the counters that change.
+        `(controller, target_length)`.
     """
     trace, grad_sq, taken = estimates
     micro_steps, micro_batch = window
@@ -104,18 +107,18 @@ def steer(counters, estimates, window, rate, config: AutoAccumSteps):
     decay = ops.power(config.smoothing, micro_steps)
     smoothed_trace = ops.where(
         taken,
-        decay * counters.auto_trace + (1 - decay) * trace,
-        counters.auto_trace,
+        decay * controller.trace + (1 - decay) * trace,
+        controller.trace,
     )
     smoothed_grad_sq = ops.where(
         taken,
-        decay * counters.auto_grad_sq + (1 - decay) * grad_sq,
-        counters.auto_grad_sq,
+        decay * controller.grad_sq + (1 - decay) * grad_sq,
+        controller.grad_sq,
     )
     # Windows measured since the window last changed length.
-    measured = counters.auto_estimates + ops.cast(taken, "int32")
+    measured = controller.estimates + ops.cast(taken, "int32")
     length = next_length(
-        counters.target_length,
+        target_length,
         noise_scale(smoothed_trace, smoothed_grad_sq) / micro_batch,
         config,
     )
@@ -124,21 +127,22 @@ def steer(counters, estimates, window, rate, config: AutoAccumSteps):
     # be: no decision until it is positive.
     decide = ops.logical_and(taken, measured >= config.warmup)
     decide = ops.logical_and(decide, smoothed_grad_sq > 0)
-    length = ops.where(decide, length, counters.target_length)
-    changed = length != counters.target_length
-    changes = {
-        "auto_trace": smoothed_trace,
-        "auto_grad_sq": smoothed_grad_sq,
-        # A change waits for `warmup` windows of the new length.
-        "auto_estimates": ops.where(changed, 0, measured),
-        "target_length": length,
-    }
+    length = ops.where(decide, length, target_length)
+    changed = length != target_length
+    progress = controller.progress
     found, applied = rate
     if found is not None and found.progress is not None:
-        changes["auto_progress"] = counters.auto_progress + ops.where(
-            applied, _float(found.scale), 0.0
-        )
-    return changes
+        progress = progress + ops.where(applied, _float(found.scale), 0.0)
+    return (
+        controller._replace(
+            trace=smoothed_trace,
+            grad_sq=smoothed_grad_sq,
+            # A change waits for `warmup` windows of the new length.
+            estimates=ops.where(changed, 0, measured),
+            progress=progress,
+        ),
+        length,
+    )
 
 
 def noise_scale(trace, grad_sq):

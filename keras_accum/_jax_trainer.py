@@ -188,7 +188,11 @@ class JaxAccumTrainer(AccumTrainer):
             *zip(self.trainable_variables, trainable, strict=True),
             *zip(self.non_trainable_variables, non_trainable, strict=True),
             *zip(self.metrics_variables, values.metrics, strict=True),
-            *zip(self._window.counters, values.counters, strict=True),
+            *zip(
+                self._window.counters.flat(),
+                values.counters.flat(),
+                strict=True,
+            ),
             # For `scale_loss`.
             *zip(self.optimizer.variables, values.optimizer, strict=True),
         ]

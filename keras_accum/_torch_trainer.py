@@ -233,7 +233,7 @@ def _read(state) -> _window.Counters:
     # (about 3 µs each, 23 counters a micro-batch on the eager step), and
     # the window's variables are float32 and int32, which it leaves alone.
     value = _compat.backing_value
-    return _window.Counters(*(value(v) for v in state.counters))
+    return _window.Counters.from_flat(value(v) for v in state.counters.flat())
 
 
 def _assign_in_place(variable, value):

@@ -210,8 +210,7 @@ class AccumTrainer:
             return getattr(self, "_kept_controller", None)
         counters = window.counters
         return {
-            name: read_array(getattr(counters, name))
-            for name in KEPT_CONTROLLER
+            name: read_array(counters.get(name)) for name in KEPT_CONTROLLER
         }
 
     def _restore_controller(self) -> None:
@@ -224,7 +223,7 @@ class AccumTrainer:
             return
         counters = self._window.counters
         for name, value in kept.items():
-            getattr(counters, name).assign(value)
+            counters.get(name).assign(value)
         length = self._first_length_of(kept, auto)
         counters.target_length.assign(length)
         counters.window_length.assign(length)

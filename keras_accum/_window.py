@@ -41,6 +41,7 @@ from keras_accum._window_fields import (
     ACC_DTYPE,
     BY_NAME,
     COUNT_DTYPE,
+    FIELDS,
     RESETS,
     accumulator_key,
 )
@@ -48,12 +49,54 @@ from keras_accum._window_log import LOG_CAPACITY
 from keras_accum._window_saving import SavedWindow
 
 
+class LogRings(NamedTuple):
+    """The log of closed windows, read by `PseudoBatchLogger`
+    (`_window_log`): rings of the last `LOG_CAPACITY` windows.
+
+    Attributes:
+        count: Windows published so far (the rings' write position).
+        loss, samples, trace, grad_sq, update, micro, lr_scale: Each
+            closed window's pseudo-batch loss, samples, estimates of
+            tr(Σ) and |G|² (NaN where not estimated), `optimizer.iterations`
+            after the update, micro-batches, and the factor on the
+            learning rate (`_auto_rules.learning_rate`; 1 without one).
+    """
+
+    count: Any
+    loss: Any
+    samples: Any
+    trace: Any
+    grad_sq: Any
+    update: Any
+    micro: Any
+    lr_scale: Any
+
+
+class Controller(NamedTuple):
+    """`accum_steps="auto"`'s state (`_auto_rules`); zeros without it.
+
+    Attributes:
+        trace, grad_sq: Moving averages of the windows' estimates of
+            tr(Σ) and |G|².
+        estimates: Windows measured since the length last changed.
+        progress: `lr_scaling="adascale"`: the scale-invariant progress,
+            the sum of the updates' gains.
+    """
+
+    trace: Any
+    grad_sq: Any
+    estimates: Any
+    progress: Any
+
+
 class Counters(NamedTuple):
     """The window's values besides its accumulators.
 
     The same tuple holds the variables (`WindowState.counters`) and, in a
     step, their values. Each field's dtype, shape, replica rule, reset and
-    saving are declared in `_window_fields.FIELDS`, in this order.
+    saving are declared in `_window_fields.FIELDS`, in the order of
+    `flat()`; the log rings and the auto controller are nested groups,
+    `log` and `auto`, as optax nests its optional states.
 
     Attributes:
         acc_normalizer: Sum of the window's loss normalizers (entries or
@@ -78,18 +121,8 @@ class Counters(NamedTuple):
             does not retrace.
         skipped_windows: Windows dropped because their gradient was not
             finite.
-        log_count: Windows published so far (the rings' write position).
-        log_loss, log_samples, log_trace, log_grad_sq, log_update,
-            log_micro, log_lr_scale: Rings of the last `LOG_CAPACITY`
-            closed windows' pseudo-batch loss, samples, estimates of tr(Σ)
-            and |G|² (NaN where not estimated), `optimizer.iterations`
-            after the update, micro-batches, and the factor on the
-            learning rate (`_auto_rules.learning_rate`; 1 without one).
-        auto_trace, auto_grad_sq: `accum_steps="auto"`: the moving
-            averages of the windows' estimates of tr(Σ) and |G|² (`auto`).
-        auto_estimates: `accum_steps="auto"`: windows measured so far.
-        auto_progress: `lr_scaling="adascale"`: the scale-invariant
-            progress, the sum of the updates' gains.
+        log: The `LogRings`.
+        auto: The `Controller`.
     """
 
     acc_normalizer: Any
@@ -103,24 +136,45 @@ class Counters(NamedTuple):
     window_length: Any
     target_length: Any
     skipped_windows: Any
-    log_count: Any
-    log_loss: Any
-    log_samples: Any
-    log_trace: Any
-    log_grad_sq: Any
-    log_update: Any
-    log_micro: Any
-    log_lr_scale: Any
-    auto_trace: Any
-    auto_grad_sq: Any
-    auto_estimates: Any
-    auto_progress: Any
+    log: LogRings
+    auto: Controller
+
+    @classmethod
+    def from_flat(cls, values) -> Counters:
+        """The counters of `values` listed in `FIELDS`' order: `Counters`'
+        own fields, then each group's (a test holds the two orders
+        equal)."""
+        values = tuple(values)
+        if len(values) != len(FIELDS):
+            raise ValueError(
+                f"Expected {len(FIELDS)} counter values, got {len(values)}."
+            )
+        top = len(cls._fields) - len(_GROUPS)
+        groups, start = [], top
+        for group in _GROUPS.values():
+            groups.append(group(*values[start : start + len(group._fields)]))
+            start += len(group._fields)
+        return cls(*values[:top], *groups)
+
+    def flat(self) -> tuple:
+        """Every value, in `FIELDS`' order (the inverse of `from_flat`)."""
+        top = len(self._fields) - len(_GROUPS)
+        flat = self[:top]
+        for group in self[top:]:
+            flat += tuple(group)
+        return flat
+
+    def get(self, name: str):
+        """The value of the field `name` (a `Field.name`: `"mini_step"`,
+        `"log_loss"`, `"auto_trace"`)."""
+        field = BY_NAME[name]
+        if field.group is None:
+            return getattr(self, name)
+        return getattr(getattr(self, field.group), field.attr)
 
 
-def counter_spec(name: str) -> tuple[tuple, str]:
-    """`(shape, dtype)` of the counter `name` (`_window_fields.FIELDS`)."""
-    field = BY_NAME[name]
-    return field.shape, field.dtype
+# The nested groups, the last fields of `Counters`, in `GROUPS`' order.
+_GROUPS = {"log": LogRings, "auto": Controller}
 
 
 class Share(NamedTuple):
@@ -349,7 +403,7 @@ def close(
     rate = None
     if policy.auto is not None:
         rate = _auto_rules.learning_rate(
-            counters, policy.auto, counters.mini_step, totals.samples
+            counters.auto, policy.auto, counters.mini_step, totals.samples
         )
     with _compat.learning_rate_scaled(policy.optimizer, rate):
         iterations = backend.apply(go, window_divisor(totals.normalizer))
@@ -478,26 +532,21 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
     micro_steps = closed.micro_steps
     if micro_steps is None:
         micro_steps = counters.mini_step
-    slot = ops.logical_and(
-        ops.arange(LOG_CAPACITY, dtype=COUNT_DTYPE)
-        == counters.log_count % LOG_CAPACITY,
-        publish,
-    )
     steering = closed.steering
     rate = None if steering is None else steering.rate[0]
-    published = {
-        "log_loss": totals.loss / window_divisor(totals.normalizer),
-        "log_samples": totals.samples,
-        "log_update": closed.iterations,
-        "log_micro": micro_steps,
-        "log_trace": closed.trace,
-        "log_grad_sq": closed.grad_sq,
-        "log_lr_scale": 1.0 if rate is None else rate.scale,
+    changes = {
+        "log": _published(
+            counters.log,
+            publish,
+            loss=totals.loss / window_divisor(totals.normalizer),
+            samples=totals.samples,
+            update=closed.iterations,
+            micro=micro_steps,
+            trace=closed.trace,
+            grad_sq=closed.grad_sq,
+            lr_scale=1.0 if rate is None else rate.scale,
+        )
     }
-    changes = {}
-    for name, value in published.items():
-        ring = getattr(counters, name)
-        changes[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)
     skipped = ops.logical_and(publish, ops.logical_not(closed.finite))
     for name in RESETS:
         value = getattr(counters, name)
@@ -509,18 +558,35 @@ def finish(counters: Counters, closed: Closed, should_close) -> Counters:
                 should_close, ops.zeros_like(value), value
             )
     if steering is not None:
-        changes.update(_steered(counters, closed, publish, micro_steps))
+        changes["auto"], changes["target_length"] = _steered(
+            counters, closed, publish, micro_steps
+        )
     return counters._replace(
-        log_count=counters.log_count + ops.cast(publish, COUNT_DTYPE),
         skipped_windows=counters.skipped_windows
         + ops.cast(skipped, COUNT_DTYPE),
         **changes,
     )
 
 
+def _published(log: LogRings, publish, **closed) -> LogRings:
+    """The log with the `closed` window's values written at its position
+    if `publish` (a boolean scalar), and the position moved on."""
+    slot = ops.logical_and(
+        ops.arange(LOG_CAPACITY, dtype=COUNT_DTYPE) == log.count % LOG_CAPACITY,
+        publish,
+    )
+    rings = {}
+    for name, value in closed.items():
+        ring = getattr(log, name)
+        rings[name] = ops.where(slot, ops.cast(value, ring.dtype), ring)
+    return log._replace(
+        count=log.count + ops.cast(publish, COUNT_DTYPE), **rings
+    )
+
+
 def _steered(counters: Counters, closed: Closed, publish, micro_steps):
-    """`_auto_rules.steer`'s changes for a window that published if
-    `publish`."""
+    """`_auto_rules.steer`'s controller and target length after a window
+    that published if `publish`."""
     steering = closed.steering
     trace, grad_sq = steering.estimates
     taken = ops.logical_and(
@@ -530,7 +596,8 @@ def _steered(counters: Counters, closed: Closed, publish, micro_steps):
     # Every replica's samples (the totals'), per micro-batch.
     micro_batch = closed.totals.samples / ops.maximum(_float(micro_steps), 1.0)
     return _auto_rules.steer(
-        counters,
+        counters.auto,
+        counters.target_length,
         (trace, grad_sq, taken),
         (_float(micro_steps), ops.maximum(micro_batch, 1.0)),
         steering.rate,
@@ -648,7 +715,7 @@ def is_sampled(counters: Counters, noise_every: int):
     """Whether the open window estimates the noise scale; None where no
     window does (`noise_every` 0).
 
-    `log_count` stays put while a window is open (it moves when the window
+    `log.count` stays put while a window is open (it moves when the window
     publishes), so every micro-batch of a window and its close agree on
     it, with no state of its own.
     """
@@ -656,7 +723,7 @@ def is_sampled(counters: Counters, noise_every: int):
         return None
     if noise_every == 1:
         return True  # Known when traced: no conditional to build.
-    return counters.log_count % noise_every == 0
+    return counters.log.count % noise_every == 0
 
 
 def _float(value):
@@ -745,11 +812,9 @@ class WindowState(SavedWindow):
             make_variable(accumulator_key(i), tuple(v.shape), ACC_DTYPE, v)
             for i, v in enumerate(trainable_variables)
         ]
-        self.counters = Counters(
-            *(
-                make_variable(name, *counter_spec(name), None)
-                for name in Counters._fields
-            )
+        self.counters = Counters.from_flat(
+            make_variable(field.name, field.shape, field.dtype, None)
+            for field in FIELDS
         )
         self.counters.window_length.assign(length)
         self.counters.target_length.assign(length)
@@ -757,24 +822,26 @@ class WindowState(SavedWindow):
     @property
     def variables(self) -> list:
         """Every window variable: the accumulators, then the counters."""
-        return [*self.acc_grads, *self.counters]
+        return [*self.acc_grads, *self.counters.flat()]
 
     def read(self) -> Counters:
         """The counters' values."""
-        return Counters(*(v.value for v in self.counters))
+        return Counters.from_flat(v.value for v in self.counters.flat())
 
     def unpack(self, values) -> tuple[list, Counters]:
         """`(accumulators, counters)` of values listed as `variables`."""
         count = len(self.acc_grads)
-        return list(values[:count]), Counters(*values[count:])
+        return list(values[:count]), Counters.from_flat(values[count:])
 
     def pack(self, accumulators, counters: Counters) -> list:
         """The inverse of `unpack`."""
-        return [*accumulators, *counters]
+        return [*accumulators, *counters.flat()]
 
     def write_all(self, counters: Counters) -> None:
         """Assigns every counter given a new value."""
-        for variable, value in zip(self.counters, counters, strict=True):
+        for variable, value in zip(
+            self.counters.flat(), counters.flat(), strict=True
+        ):
             if value is not variable:
                 variable.assign(value)
 
@@ -782,7 +849,7 @@ class WindowState(SavedWindow):
         """Assigns the counters whose values are not those `read` gave,
         with `assign(variable, value)` if given (else `variable.assign`)."""
         for variable, value, before in zip(
-            self.counters, counters, read, strict=True
+            self.counters.flat(), counters.flat(), read.flat(), strict=True
         ):
             if value is before:
                 continue

@@ -3,12 +3,16 @@
 `FIELDS` says, for every field of `_window.Counters`, what the rest of the
 package derives from it: the variable's dtype and shape, how replicas
 combine it under `tf.distribute`, whether a close resets it, whether a
-file saves it and which values a saved one may hold. `_window` builds the
-variables and the close's resets from it, `_tf_window` the replicas'
-aggregation, `_window_saving` the saved entries and their checks.
+file saves it and which values a saved one may hold, and the group it
+belongs to (`Counters` nests the log rings as `counters.log` and the
+auto controller as `counters.auto`). `_window` builds the variables and
+the close's resets from it, `_tf_window` the replicas' aggregation,
+`_window_saving` the saved entries and their checks.
 
-Adding a saved counter is one `Field` here and its slot in `Counters`.
-A change to what a file holds also raises `FORMAT_VERSION`.
+Adding a saved counter is one `Field` here and its slot in `Counters` (or
+in its group's tuple). A change to what a file holds also raises
+`FORMAT_VERSION`; a file's entries are named by `Field.name` (flat:
+`log_loss`, `auto_trace`), under the model attribute `SAVED_UNDER`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ INT_MAX = 2**31 - 1
 # The saved window's layout. 0: files written before it was recorded,
 # which hold the same entries as 1.
 FORMAT_VERSION = 1
+# The `AccumModel` attribute that holds the window: Keras names a saved
+# object's entries by the attribute path (`_window/vars/...`), so this name
+# is part of the format.
+SAVED_UNDER = "_window"
 
 
 # The accumulators' names, in variables and files: one per trainable
@@ -47,7 +55,8 @@ class Field(NamedTuple):
     """One of the window's values.
 
     Attributes:
-        name: Its name in `Counters` and in saved files.
+        name: Its name in saved files and in `Counters.get`; a grouped
+            field's is its group's name, `_` and its `attr`.
         dtype: `ACC_DTYPE` or `COUNT_DTYPE`.
         ring: A ring of the last `LOG_CAPACITY` closed windows (for
             `PseudoBatchLogger`); else a scalar.
@@ -60,6 +69,8 @@ class Field(NamedTuple):
             infinity are refused wherever either is set, or `finite`).
         finite: A saved float must be finite.
         why: What the value is, for a load error's message.
+        group: The `Counters` field that nests it (`"log"`, `"auto"`);
+            None for a field of `Counters` itself.
     """
 
     name: str
@@ -72,10 +83,19 @@ class Field(NamedTuple):
     high: float | None = None
     finite: bool = False
     why: str = ""
+    group: str | None = None
 
     @property
     def shape(self) -> tuple:
         return (LOG_CAPACITY,) if self.ring else ()
+
+    @property
+    def attr(self) -> str:
+        """Its attribute in its group's tuple (`counters.log.loss`), or in
+        `Counters` itself."""
+        if self.group is None:
+            return self.name
+        return self.name[len(self.group) + 1 :]
 
 
 def _total(name):
@@ -87,8 +107,19 @@ def _count(name, low=0, **kwargs):
     return Field(name, COUNT_DTYPE, saved=True, low=low, high=INT_MAX, **kwargs)
 
 
+def _average(name):
+    return Field(
+        name,
+        ACC_DTYPE,
+        saved=True,
+        finite=True,
+        why="a moving average",
+        group="auto",
+    )
+
+
 def _ring(name, dtype=ACC_DTYPE):
-    return Field(name, dtype, ring=True)
+    return Field(name, dtype, ring=True, group="log")
 
 
 FIELDS = (
@@ -106,7 +137,7 @@ FIELDS = (
     _count("target_length", low=1),
     _count("skipped_windows"),
     # The log of closed windows, read by `PseudoBatchLogger`.
-    Field("log_count", COUNT_DTYPE),
+    Field("log_count", COUNT_DTYPE, group="log"),
     _ring("log_loss"),
     _ring("log_samples"),
     _ring("log_trace"),
@@ -115,18 +146,17 @@ FIELDS = (
     _ring("log_micro", COUNT_DTYPE),
     _ring("log_lr_scale"),
     # `accum_steps="auto"`'s controller (0 without one).
+    _average("auto_trace"),
+    _average("auto_grad_sq"),
+    _count("auto_estimates", group="auto"),
     Field(
-        "auto_trace", ACC_DTYPE, saved=True, finite=True, why="a moving average"
-    ),
-    Field(
-        "auto_grad_sq",
+        "auto_progress",
         ACC_DTYPE,
         saved=True,
+        low=0.0,
         finite=True,
-        why="a moving average",
+        group="auto",
     ),
-    _count("auto_estimates"),
-    Field("auto_progress", ACC_DTYPE, saved=True, low=0.0, finite=True),
 )
 
 BY_NAME = {field.name: field for field in FIELDS}
@@ -134,3 +164,4 @@ BY_NAME = {field.name: field for field in FIELDS}
 TOTALS = tuple(f.name for f in FIELDS if f.summed)
 RESETS = tuple(f.name for f in FIELDS if f.resets)
 SAVED = tuple(f for f in FIELDS if f.saved)
+GROUPS = tuple(dict.fromkeys(f.group for f in FIELDS if f.group))

@@ -51,22 +51,22 @@ MINIMIZED_LOG_KEYS = frozenset({"pseudo_batch_loss_mean"})
 
 # The rings, in `PseudoBatch`'s field order.
 _RINGS = (
-    "log_update",
-    "log_loss",
-    "log_samples",
-    "log_micro",
-    "log_trace",
-    "log_grad_sq",
-    "log_lr_scale",
+    "update",
+    "loss",
+    "samples",
+    "micro",
+    "trace",
+    "grad_sq",
+    "lr_scale",
 )
-_INT_RINGS = ("log_update", "log_samples", "log_micro")
+_INT_RINGS = ("update", "samples", "micro")
 
 
 def published_count(model) -> int:
     """Windows `model` has published so far; 0 before its window state
     exists (and again after `compile()` rebuilt it)."""
     window = model._window
-    return 0 if window is None else read_int(window.counters.log_count)
+    return 0 if window is None else read_int(window.counters.log.count)
 
 
 def read_published(model, first: int, count: int) -> list[tuple]:
@@ -74,8 +74,8 @@ def read_published(model, first: int, count: int) -> list[tuple]:
     each a tuple in `PseudoBatch`'s order (update, loss, samples,
     micro-batches, trace, grad_sq, lr_scale). The ring keeps the last
     `LOG_CAPACITY`: `first` must be within them."""
-    counters = model._window.counters
-    rings = {name: read_array(getattr(counters, name)) for name in _RINGS}
+    log = model._window.counters.log
+    rings = {name: read_array(getattr(log, name)) for name in _RINGS}
     found = []
     for i in range(first, count):
         slot = i % LOG_CAPACITY
@@ -104,8 +104,8 @@ def controller_averages(model) -> tuple[float, float] | None:
     window = model._window
     if window is None or model._auto() is None:
         return None
-    counters = window.counters
+    controller = window.counters.auto
     return (
-        float(read_array(counters.auto_trace)),
-        float(read_array(counters.auto_grad_sq)),
+        float(read_array(controller.trace)),
+        float(read_array(controller.grad_sq)),
     )

@@ -31,6 +31,7 @@ from keras_accum._window_fields import (
     FORMAT_VERSION,
     INT_MAX,
     SAVED,
+    SAVED_UNDER,
     accumulator_key,
     is_accumulator_key,
 )
@@ -137,7 +138,7 @@ class SavedWindow(KerasSaveable):
                 acc = self.partial_sums(acc)
             store[accumulator_key(i)] = acc
         for name in SAVED_COUNTERS:
-            store[name] = getattr(self.counters, name)
+            store[name] = self.counters.get(name)
         store[VERSION_KEY] = np.asarray(FORMAT_VERSION, COUNT_DTYPE)
 
     def load_own_variables(self, store):
@@ -160,7 +161,7 @@ class SavedWindow(KerasSaveable):
                 ).astype(value.dtype)
             acc.assign(value)
         for name in SAVED_COUNTERS:
-            getattr(self.counters, name).assign(values[name])
+            self.counters.get(name).assign(values[name])
         self.loaded_position = (
             int(values["epoch"]),
             int(values["epoch_step"]),
@@ -196,7 +197,7 @@ class SavedWindow(KerasSaveable):
 
     def _check_group(self, h5, where):
         # Keras's layout: each object's entries under `<path>/vars`.
-        group = h5.get("_window/vars")
+        group = h5.get(f"{SAVED_UNDER}/vars")
         if group is None or not list(group.keys()):
             return
         check_saved_window(group, self._shapes(), self._rules(), where)

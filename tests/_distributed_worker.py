@@ -156,9 +156,9 @@ def auto_case():
         "case": "auto",
         "max_weight_diff": diff,
         "lengths": [u.micro_batches for u in logger.updates],
-        "estimates": int(counters.auto_estimates.numpy()),
-        "trace": float(counters.auto_trace.numpy()),
-        "grad_sq": float(counters.auto_grad_sq.numpy()),
+        "estimates": int(counters.auto.estimates.numpy()),
+        "trace": float(counters.auto.trace.numpy()),
+        "grad_sq": float(counters.auto.grad_sq.numpy()),
         "updates": int(accum.optimizer.iterations.numpy()),
         "plain_updates": int(plain.model.optimizer.iterations.numpy()),
     }

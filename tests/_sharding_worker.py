@@ -137,7 +137,9 @@ def main():
             accum.trainable_variables, accum.accumulators, strict=True
         )
     ]
-    counters = [str(v.value.sharding.spec) for v in accum._window.counters]
+    counters = [
+        str(v.value.sharding.spec) for v in accum._window.counters.flat()
+    ]
     memory, collectives, communication = {}, {}, {}
     for name, m, batch in (("plain", plain, B * K), ("accum", accum, B)):
         compiled = compiled_step(m, x[:batch], y[:batch], donate=True)

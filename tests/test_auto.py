@@ -20,7 +20,7 @@ from keras import ops
 
 import keras_accum
 from keras_accum import _auto_rules as auto
-from keras_accum import _compat, _window
+from keras_accum import _compat, _window, _window_fields
 from keras_accum.auto import AutoAccumSteps
 
 BACKEND = keras.backend.backend()
@@ -96,13 +96,20 @@ def test_adascale_gain_by_hand(trace, grad_sq, scale, expected):
 
 def _counters(**values):
     fields = {}
-    for name in _window.Counters._fields:
-        shape, dtype = _window.counter_spec(name)
-        fields[name] = ops.zeros(shape, dtype)
+    for field in _window_fields.FIELDS:
+        fields[field.name] = ops.zeros(field.shape, field.dtype)
     fields["target_length"] = ops.convert_to_tensor(2, "int32")
     for name, value in values.items():
         fields[name] = ops.convert_to_tensor(value, fields[name].dtype)
-    return _window.Counters(**fields)
+    return _window.Counters.from_flat(fields.values())
+
+
+def _steer(counters, estimates, window, config, rate=(None, True)):
+    """`counters` with the controller and target length `steer` gives."""
+    controller, length = auto.steer(
+        counters.auto, counters.target_length, estimates, window, rate, config
+    )
+    return counters._replace(auto=controller, target_length=length)
 
 
 def test_steer_smooths_then_decides_after_the_warmup():
@@ -113,48 +120,38 @@ def test_steer_smooths_then_decides_after_the_warmup():
     # measured: below the warmup, the length stays 2. Windows of one
     # micro-batch (the decay per window is 0.5 ** 1) of 4 samples.
     window = (1.0, 4.0)
-    changes = auto.steer(
-        counters, (10.0, 0.5, taken), window, (None, True), config
-    )
-    assert _value(changes["auto_trace"]) == pytest.approx(5.0)
-    assert _value(changes["auto_grad_sq"]) == pytest.approx(0.25)
-    assert _value(changes["auto_estimates"]) == 1
-    assert _value(changes["target_length"]) == 2
+    counters = _steer(counters, (10.0, 0.5, taken), window, config)
+    assert _value(counters.auto.trace) == pytest.approx(5.0)
+    assert _value(counters.auto.grad_sq) == pytest.approx(0.25)
+    assert _value(counters.auto.estimates) == 1
+    assert _value(counters.target_length) == 2
     # Second: 0.5 x 5 + 0.5 x 10 = 7.5 and 0.375: B_simple = 20 samples,
     # 5 micro-batches of 4; from 2, at most doubled: 4.
-    counters = counters._replace(**changes)
-    changes = auto.steer(
-        counters, (10.0, 0.5, taken), window, (None, True), config
-    )
-    assert _value(changes["target_length"]) == 4
+    counters = _steer(counters, (10.0, 0.5, taken), window, config)
+    assert _value(counters.target_length) == 4
     # A change restarts the count: the next waits for `warmup` windows of
     # the new length.
-    assert _value(changes["auto_estimates"]) == 0
+    assert _value(counters.auto.estimates) == 0
     # An estimate that does not count (NaN, or no window) changes nothing.
-    counters = counters._replace(**changes)
     skipped = ops.convert_to_tensor(False)
-    same = auto.steer(
-        counters, (float("nan"), 0.5, skipped), window, (None, True), config
-    )
-    for name in ("auto_trace", "auto_grad_sq", "auto_estimates"):
-        assert _value(same[name]) == _value(getattr(counters, name))
-    assert _value(same["target_length"]) == 4
+    same = _steer(counters, (float("nan"), 0.5, skipped), window, config)
+    for name in ("trace", "grad_sq", "estimates"):
+        assert _value(getattr(same.auto, name)) == _value(
+            getattr(counters.auto, name)
+        )
+    assert _value(same.target_length) == 4
     # A window of 2 micro-batches decays the averages by 0.5 ** 2.
-    longer = auto.steer(
-        counters, (10.0, 0.5, taken), (2.0, 4.0), (None, True), config
-    )
-    expected = 0.25 * _value(counters.auto_trace) + 0.75 * 10.0
-    assert _value(longer["auto_trace"]) == pytest.approx(expected)
+    longer = _steer(counters, (10.0, 0.5, taken), (2.0, 4.0), config)
+    expected = 0.25 * _value(counters.auto.trace) + 0.75 * 10.0
+    assert _value(longer.auto.trace) == pytest.approx(expected)
 
 
 def test_steer_waits_while_the_average_gradient_is_not_positive():
     config = AutoAccumSteps(smoothing=0.5, warmup=1, batch_fraction=1.0)
     taken = ops.convert_to_tensor(True)
-    changes = auto.steer(
-        _counters(), (10.0, -0.5, taken), (1.0, 4.0), (None, True), config
-    )
-    assert _value(changes["auto_estimates"]) == 1
-    assert _value(changes["target_length"]) == 2
+    counters = _steer(_counters(), (10.0, -0.5, taken), (1.0, 4.0), config)
+    assert _value(counters.auto.estimates) == 1
+    assert _value(counters.target_length) == 2
 
 
 def test_learning_rate_rules_by_hand():
@@ -163,7 +160,7 @@ def test_learning_rate_rules_by_hand():
     def rate(rule):
         config = AutoAccumSteps(min_steps=2, lr_scaling=rule)
         # 8 micro-batches of 2 samples: S = 8 / 2 = 4, base batch 4.
-        return auto.learning_rate(counters, config, 8, 16.0)
+        return auto.learning_rate(counters.auto, config, 8, 16.0)
 
     assert rate(None) is None
     assert _value(rate("sqrt").scale) == pytest.approx(2.0)
@@ -339,7 +336,7 @@ def test_scaled_learning_rates_equal_the_plain_model_given_them(
         for scale, n in zip(scales, lengths, strict=True):
             s = n / STEERED["min_steps"]
             assert min(1, s) - 1e-6 <= scale <= max(1, s) + 1e-6
-        progress = _value(accum._window.counters.auto_progress)
+        progress = _value(accum._window.counters.auto.progress)
         assert progress == pytest.approx(sum(scales), rel=1e-5)
     plain = mlp()
     plain.compile(optimizer=sgd(), loss="mse")
@@ -489,7 +486,7 @@ def _controller(model):
         "auto_estimates",
         "auto_progress",
     )
-    return {n: _value(getattr(counters, n)) for n in names}
+    return {n: _value(counters.get(n)) for n in names}
 
 
 def test_a_killed_run_resumes_bit_identical(tmp_path):

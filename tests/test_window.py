@@ -24,14 +24,13 @@ NAN = float("nan")
 def _counters(**values) -> Counters:
     """An empty window of length 4, with `values` replaced."""
     fields = {}
-    for name in Counters._fields:
-        shape, dtype = _window.counter_spec(name)
-        fields[name] = ops.zeros(shape, dtype)
+    for field in _window_fields.FIELDS:
+        fields[field.name] = ops.zeros(field.shape, field.dtype)
     fields["window_length"] = ops.convert_to_tensor(4, "int32")
     fields["target_length"] = ops.convert_to_tensor(4, "int32")
     for name, value in values.items():
         fields[name] = ops.convert_to_tensor(value, fields[name].dtype)
-    return Counters(**fields)
+    return Counters.from_flat(fields.values())
 
 
 class _Recording(_window.WindowOps):
@@ -114,15 +113,15 @@ def test_gradients_1_2_3_4_average_to_2_5():
     # One SGD(1) step of the mean gradient: 0 - (8 + 16 + 24 + 32) / 32.
     np.testing.assert_allclose(_numpy(backend.weights[0]), [-2.5])
     assert int(_numpy(counters.mini_step)) == 0
-    assert int(_numpy(counters.log_count)) == 1
-    assert int(_numpy(counters.log_samples[0])) == 32
-    assert int(_numpy(counters.log_micro[0])) == 4
-    assert int(_numpy(counters.log_update[0])) == 1
+    assert int(_numpy(counters.log.count)) == 1
+    assert int(_numpy(counters.log.samples[0])) == 32
+    assert int(_numpy(counters.log.micro[0])) == 4
+    assert int(_numpy(counters.log.update[0])) == 1
     # The pseudo-batch loss: each micro-batch's loss 0.5, weighted alike.
-    np.testing.assert_allclose(_numpy(counters.log_loss[0]), 0.5)
+    np.testing.assert_allclose(_numpy(counters.log.loss[0]), 0.5)
     # The totals start again from zero.
     for name in _window_fields.TOTALS:
-        assert float(_numpy(getattr(counters, name))) == 0.0
+        assert float(_numpy(counters.get(name))) == 0.0
 
 
 def test_an_uneven_window_is_the_mean_over_its_samples():
@@ -201,7 +200,7 @@ def test_a_non_finite_window_is_skipped_whole_and_counted():
     np.testing.assert_allclose(_numpy(backend.weights[0]), [0.0])
     assert int(_numpy(counters.skipped_windows)) == 1
     # Published all the same, so that the logger sees it.
-    assert int(_numpy(counters.log_count)) == 1
+    assert int(_numpy(counters.log.count)) == 1
 
 
 def test_under_loss_scaling_a_non_finite_window_goes_to_the_optimizer():
@@ -233,7 +232,7 @@ def test_should_close_false_changes_nothing_but_the_apply_is_not_run():
     assert not bool(applied)
     assert backend.iterations == 0
     assert int(_numpy(closed.mini_step)) == 1
-    assert int(_numpy(closed.log_count)) == 0
+    assert int(_numpy(closed.log.count)) == 0
 
 
 def test_the_epoch_end_closes_a_partial_window_only_under_apply():
@@ -274,8 +273,8 @@ def test_noise_estimates_of_two_micro_batches():
     np.testing.assert_allclose(_numpy(trace), 4.0, rtol=1e-6)
     np.testing.assert_allclose(_numpy(grad_sq), 3.0, rtol=1e-6)
     closed, _ = _close(counters, backend, noise_every=1)
-    np.testing.assert_allclose(_numpy(closed.log_trace[0]), 4.0, rtol=1e-6)
-    np.testing.assert_allclose(_numpy(closed.log_grad_sq[0]), 3.0, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(closed.log.trace[0]), 4.0, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(closed.log.grad_sq[0]), 3.0, rtol=1e-6)
 
 
 def test_only_sampled_windows_estimate_the_noise():
@@ -290,7 +289,7 @@ def test_only_sampled_windows_estimate_the_noise():
         counters, _ = _add(counters, backend, [gradient], samples=2, plan=plan)
     assert float(_numpy(counters.acc_grad_sq)) == 0.0
     closed, _ = _close(counters, backend, noise_every=2)
-    assert math.isnan(float(_numpy(closed.log_trace[1])))
+    assert math.isnan(float(_numpy(closed.log.trace[1])))
 
 
 def test_a_one_micro_batch_window_has_no_noise_estimate():
@@ -325,8 +324,8 @@ def test_the_rings_wrap_around():
     )
     counters, _ = _add(counters, backend, [1.0], samples=3)
     closed, _ = _close(counters, backend)
-    assert int(_numpy(closed.log_samples[2])) == 3
-    assert int(_numpy(closed.log_count)) == capacity + 3
+    assert int(_numpy(closed.log.samples[2])) == 3
+    assert int(_numpy(closed.log.count)) == capacity + 3
 
 
 @pytest.mark.parametrize(
@@ -374,7 +373,9 @@ def test_a_state_reads_and_writes_its_counters():
     accumulators, counters = state.unpack([v.value for v in state.variables])
     assert len(accumulators) == 1 and tuple(accumulators[0].shape) == (2, 3)
     assert len(state.pack(accumulators, counters)) == len(state.variables)
-    assert {v.dtype for v in state.counters[4:12]} == {"int32"}
+    assert {v.dtype for v in state.counters[4:11]} == {"int32"}
+    assert state.counters.log.count.dtype == "int32"
+    assert state.counters.auto.trace.dtype == "float32"
 
 
 # Every value finite, yet their sum overflows float32 (max 3.4e38).
@@ -452,8 +453,24 @@ def test_every_counter_is_declared_once_in_the_field_table():
     # same order: the table is where dtype, shape, replicas, resets and
     # saving are read from.
     names = tuple(field.name for field in _window_fields.FIELDS)
-    assert names == Counters._fields
+    assert Counters.from_flat(names).flat() == names
     assert len(set(names)) == len(names)
+    # Each field sits where its group says, under its own name: the
+    # nested groups (`counters.log.loss`) and `Counters.get("log_loss")`
+    # agree with the table.
+    counters = Counters.from_flat(names)
+    for field in _window_fields.FIELDS:
+        holder = (
+            counters if field.group is None else getattr(counters, field.group)
+        )
+        assert (
+            getattr(holder, field.attr)
+            == field.name
+            == counters.get(field.name)
+        )
+    assert _window_fields.GROUPS == ("log", "auto")
+    with pytest.raises(ValueError, match="Expected 23 counter values, got 2"):
+        Counters.from_flat([0, 1])
     assert _window_fields.TOTALS == (
         "acc_normalizer",
         "acc_loss",
