@@ -75,7 +75,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
         # Gradients.
         gradients = tape.gradient(objective, self.trainable_weights)
-        self._window_none_grads = [g is None for g in gradients]
+        self._life.none_grads = [g is None for g in gradients]
 
         # Apply: into the window, and the window once it is complete.
         ready = [
@@ -126,7 +126,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
             self._window,
             self.optimizer,
             variables,
-            self._window_none_grads or [False] * len(variables),
+            self._life.none_grads or [False] * len(variables),
             xla=bool(self.jit_compile),
         )
 

@@ -89,10 +89,7 @@ class TorchAccumTrainer(AccumTrainer):
         objective.backward()
         grads = [v.value.grad for v in variables]
         none_grads = [g is None for g in grads]
-        if none_grads != self._window_none_grads:
-            # Only when it changes: a layer's attribute costs a walk of
-            # Keras's tracking.
-            self._window_none_grads = none_grads
+        self._life.none_grads = none_grads
         gradients = [
             torch.zeros_like(v.value) if g is None else g
             for g, v in zip(grads, variables, strict=True)
@@ -122,7 +119,7 @@ class TorchAccumTrainer(AccumTrainer):
     def _torch_ops(self, variables=None):
         if variables is None:
             variables = self.trainable_weights
-        none_grads = self._window_none_grads or [False] * len(variables)
+        none_grads = self._life.none_grads or [False] * len(variables)
         return TorchOps(self._window, self.optimizer, variables, none_grads)
 
     def _close(self, counters, backend):

@@ -13,7 +13,9 @@ the window at epoch boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import keras
 from keras import ops
@@ -28,6 +30,9 @@ from keras_accum._window_log import read_array, read_int
 from keras_accum._window_saving import WindowRules, warn_if_lora_reset
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 
+# `_configure`'s default: a setting not given is kept.
+_KEEP = object()
+
 # What a recompile keeps of `"auto"`'s controller.
 KEPT_CONTROLLER = (
     "auto_trace",
@@ -37,12 +42,50 @@ KEPT_CONTROLLER = (
 )
 
 
+@dataclasses.dataclass
+class WindowLife:
+    """What a model keeps of its window besides the window's variables.
+
+    Attributes:
+        refs: The ids of the trainable weights the accumulators were made
+            for, in order; None before the window exists.
+        unbuilt: The ids of layers left unbuilt when it was made (see
+            `forward_layers`), for the message if one builds later.
+        none_grads: Which gradients are None, fixed when the step is
+            traced; the flush reuses it. None until then.
+        stepped: The traced (or eager) step reached the window; read by
+            `_checked_train_function`.
+        flush_function: The compiled `apply_partial_window`, made once.
+        kept_controller: `"auto"`'s controller, read before a recompile
+            dropped the window and set on the next one; None otherwise.
+        epoch, steps_per_epoch: Where `fit` is, told before the window
+            exists; once it exists its counters hold them instead
+            (`counters.epoch`, `counters.steps_per_epoch`) and these are
+            None.
+    """
+
+    refs: list | None = None
+    unbuilt: set = dataclasses.field(default_factory=set)
+    none_grads: list | None = None
+    stepped: bool = False
+    flush_function: Any = None
+    kept_controller: dict | None = None
+    epoch: int | None = 0
+    steps_per_epoch: int | None = 0
+
+
 class AccumTrainer:
     """The backend-neutral half of `AccumModel`'s training.
 
     Backends provide `train_step` and `_make_flush_function()`, and may
     override `_create_window(length, hooks)` (TensorFlow's is per replica)
     and `_check_length_in_step`.
+
+    The package's state on the model is set here and nowhere else: the
+    configuration (`_accum_steps`, `_partial_window`, `_noise_scale_every`,
+    through `_configure`), the window (`_window`: its variables, under the
+    saved format's name `_window_fields.SAVED_UNDER`) and the rest of its
+    life (`_life`, a `WindowLife`).
     """
 
     # The arguments of the backend's `train_step`, for error messages.
@@ -51,22 +94,44 @@ class AccumTrainer:
     # `AccumModel` (`layers.py`).
     _accumulates_gradients = True
 
+    def _configure(
+        self,
+        *,
+        accum_steps=_KEEP,
+        partial_window=_KEEP,
+        noise_every=_KEEP,
+        traced: bool = False,
+    ) -> None:
+        """Sets the settings given (validated by the caller), and drops
+        the compiled steps where a setting is traced into them
+        (`traced`)."""
+        if accum_steps is not _KEEP:
+            self._accum_steps = accum_steps
+        if partial_window is not _KEEP:
+            self._partial_window = partial_window
+        if noise_every is not _KEEP:
+            self._noise_scale_every = noise_every
+        if traced:
+            self.train_function = None
+            if getattr(self, "_life", None) is not None:
+                self._life.flush_function = None
+
     def _reset_window_state(self):
-        # `"auto"`'s controller outlives a recompile (freeze, fit, unfreeze,
-        # compile): what it learnt of the noise scale is the task's, not the
-        # optimizer's. Read before the window goes; set on the next one.
-        self._kept_controller = self._controller_values()
+        old = getattr(self, "_life", None)
+        window = getattr(self, "_window", None)
+        life = WindowLife()
+        if old is not None:
+            # `"auto"`'s controller outlives a recompile (freeze, fit,
+            # unfreeze, compile): what it learnt of the noise scale is the
+            # task's, not the optimizer's. Read before the window goes; set
+            # on the next one.
+            life.kept_controller = self._controller_values()
+            if window is None:
+                life.epoch = old.epoch
+            else:
+                life.epoch = read_int(window.counters.epoch)
+        self._life = life
         self._window = None
-        self._window_refs = None
-        self._flush_function = None
-        # Which gradients are None, fixed when the step is traced; the
-        # flush reuses it.
-        self._window_none_grads = None
-        # Set when the traced (or eager) step reaches the window; read by
-        # `_checked_train_function`.
-        self._window_stepped = False
-        self._window_unbuilt = set()
-        self._steps_per_epoch = 0
 
     # -- The window state's life ----------------------------------------------
 
@@ -113,13 +178,17 @@ class AccumTrainer:
             self._steps_for_now() or self._first_length(),
             self._window_close_hooks(),
         )
-        self._window_refs = [id(v) for v in self.trainable_weights]
+        life = self._life
+        life.refs = [id(v) for v in self.trainable_weights]
         # Layers outside the forward pass, left unbuilt (see
         # `forward_layers`), for the message if one builds later.
-        self._window_unbuilt = {
+        life.unbuilt = {
             id(layer) for layer in _compat.sublayers(self) if not layer.built
         }
-        self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
+        # From here on the counters hold `fit`'s position.
+        self._window.counters.steps_per_epoch.assign(life.steps_per_epoch)
+        self._window.counters.epoch.assign(life.epoch)
+        life.epoch = life.steps_per_epoch = None
         self._restore_controller()
         self._window.connect(self._saved_window_rules, self._after_window_load)
 
@@ -154,23 +223,20 @@ class AccumTrainer:
             self._ensure_window()
         if variables is None:
             variables = self.trainable_weights
-        if self._window_refs != [id(v) for v in variables]:
+        if self._life.refs != [id(v) for v in variables]:
             raise ValueError(self._changed_weights_message())
-        if not self._window_stepped:
-            # Set once: a layer's attribute costs a walk of Keras's
-            # tracking, on every eager step.
-            self._window_stepped = True
+        self._life.stepped = True
         return self._window
 
     def _changed_weights_message(self) -> str:
-        before = set(self._window_refs)
+        before = set(self._life.refs)
         now = {id(v): v for v in self.trainable_weights}
         added = [v.path for key, v in now.items() if key not in before]
         removed = len(before - set(now))
         unbuilt = [
             layer.name
             for layer in _compat.sublayers(self)
-            if layer.built and id(layer) in self._window_unbuilt
+            if layer.built and id(layer) in self._life.unbuilt
         ]
         message = (
             "The model's trainable weights changed since the accumulators "
@@ -192,7 +258,7 @@ class AccumTrainer:
         """The window length the configuration gives now, if static (not
         a callable schedule's, nor `"auto"`'s)."""
         if isinstance(self._accum_steps, dict):
-            return steps_for_epoch(self._accum_steps, self._epoch)
+            return steps_for_epoch(self._accum_steps, self._fit_epoch())
         if callable(self._accum_steps) or self._auto() is not None:
             return None
         return self._accum_steps
@@ -207,7 +273,7 @@ class AccumTrainer:
         change and the length it reached; None without a controller."""
         window = getattr(self, "_window", None)
         if window is None or self._auto() is None:
-            return getattr(self, "_kept_controller", None)
+            return self._life.kept_controller
         counters = window.counters
         return {
             name: read_array(counters.get(name)) for name in KEPT_CONTROLLER
@@ -217,7 +283,8 @@ class AccumTrainer:
         """Sets a new window's controller to the one a recompile dropped
         (AdaScale's progress restarts with the optimizer's update count).
         """
-        kept, self._kept_controller = self._kept_controller, None
+        life = self._life
+        kept, life.kept_controller = life.kept_controller, None
         auto = self._auto()
         if kept is None or auto is None:
             return
@@ -235,7 +302,7 @@ class AccumTrainer:
         auto = self._auto()
         if auto is None:
             return 1
-        kept = getattr(self, "_kept_controller", None)
+        kept = self._life.kept_controller
         if kept is None:
             return auto.min_steps
         return self._first_length_of(kept, auto)
@@ -269,9 +336,10 @@ class AccumTrainer:
 
     def _flush(self):
         """Applies the open window outside the step."""
-        if self._flush_function is None:
-            self._flush_function = self._make_flush_function()
-        self._flush_function()
+        life = self._life
+        if life.flush_function is None:
+            life.flush_function = self._make_flush_function()
+        life.flush_function()
 
     # -- The train function ---------------------------------------------------
 
@@ -280,7 +348,7 @@ class AccumTrainer:
             return self.train_function
         check_model(self)
         # Set when the traced (or eager) step reaches the window.
-        self._window_stepped = False
+        self._life.stepped = False
         super().make_train_function(force=force)
         self.train_function = _checked_train_function(self, self.train_function)
         return self.train_function
@@ -511,29 +579,40 @@ class AccumTrainer:
     def _set_noise_scale_every(self, every: int) -> None:
         # Part of the traced step: a change retraces it once.
         if every != self._noise_scale_every:
-            self._noise_scale_every = every
-            self.train_function = None
-            self._flush_function = None
+            self._configure(noise_every=every, traced=True)
 
     # -- Epoch boundaries (told by `_window_epochs.WindowEpochs`) -------------
 
-    def _set_steps_per_epoch(self, steps):
-        self._steps_per_epoch = int(steps or 0)
-        if self._window is not None:
-            self._window.counters.steps_per_epoch.assign(self._steps_per_epoch)
+    # `fit`'s position lives in the window's counters once it exists, in
+    # `_life` before: one place at a time.
 
-    def _start_epoch(self, epoch):
-        self._epoch = epoch
-        self._assign_target_length()
-        if self._window is not None:
+    def _fit_epoch(self) -> int:
+        """The epoch in progress, or once one has ended the next one."""
+        if self._window is None:
+            return self._life.epoch
+        return read_int(self._window.counters.epoch)
+
+    def _set_steps_per_epoch(self, steps):
+        steps = int(steps or 0)
+        if self._window is None:
+            self._life.steps_per_epoch = steps
+        else:
+            self._window.counters.steps_per_epoch.assign(steps)
+
+    def _set_epoch(self, epoch):
+        if self._window is None:
+            self._life.epoch = epoch
+        else:
             self._window.counters.epoch.assign(epoch)
             self._window.counters.epoch_step.assign(0)
 
+    def _start_epoch(self, epoch):
+        self._set_epoch(epoch)
+        self._assign_target_length()
+
     def _end_epoch(self, epoch):
         # What a backup taken now belongs to: the start of the next epoch.
-        if self._window is not None:
-            self._window.counters.epoch.assign(epoch + 1)
-            self._window.counters.epoch_step.assign(0)
+        self._set_epoch(epoch + 1)
 
 
 def forward_layers(model) -> list:
@@ -588,7 +667,7 @@ def _checked_train_function(model, function):
         outputs = function(*args, **kwargs)
         # With one micro-batch per window, a plain step is what
         # `keras.Model` runs: a drop-in with a custom step stays one.
-        if not model._window_stepped and model.accum_steps != 1:
+        if not model._life.stepped and model.accum_steps != 1:
             call = f"super().train_step({model._TRAIN_STEP_ARGS})"
             updates = 0
             if getattr(model, "optimizer", None) is not None:

@@ -254,10 +254,11 @@ class AccumModel(_Trainer, keras.Model):
             Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
-        self._accum_steps = accum_steps
-        self._partial_window = partial_window
-        self._noise_scale_every = 0
-        self._epoch = 0
+        self._configure(
+            accum_steps=accum_steps,
+            partial_window=partial_window,
+            noise_every=0,
+        )
         self._reset_window_state()
 
     # -- Public surface -------------------------------------------------------
@@ -359,10 +360,12 @@ class AccumModel(_Trainer, keras.Model):
         # A callable schedule and `"auto"`'s controller are traced into
         # the step.
         traced = (value, self._accum_steps)
-        if any(callable(v) or isinstance(v, AutoAccumSteps) for v in traced):
-            self.train_function = None
-            self._flush_function = None
-        self._accum_steps = value
+        self._configure(
+            accum_steps=value,
+            traced=any(
+                callable(v) or isinstance(v, AutoAccumSteps) for v in traced
+            ),
+        )
         self._assign_target_length()
 
     @property
@@ -381,10 +384,8 @@ class AccumModel(_Trainer, keras.Model):
     def partial_window(self, value: str) -> None:
         value = check_partial_window(value)
         if value != self._partial_window:
-            self._partial_window = value
             # The policy is part of the traced step.
-            self.train_function = None
-            self._flush_function = None
+            self._configure(partial_window=value, traced=True)
 
     @property
     def mini_step(self) -> int:

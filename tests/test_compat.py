@@ -289,6 +289,46 @@ def test_imports_run_one_way():
             assert not imported & public, (module, imported & public)
 
 
+@pytest.mark.tensorflow_only(reason="reads the package's source")
+def test_the_package_sets_attributes_on_the_model_in_one_module():
+    # Before: `model.py`, `_trainer.py` and the backend trainers each set
+    # the model's attributes, and callbacks set some from outside. Now
+    # `_trainer.AccumTrainer` sets them (`_configure`, `_reset_window_state`,
+    # `_ensure_window`); the others call its methods, and `_compat` sets
+    # Keras's own `_initial_epoch`.
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "keras_accum").glob("*.py")):
+        if path.name in ("_trainer.py", "_compat.py"):
+            continue
+        in_model = path.name in (
+            "model.py",
+            "_tf_trainer.py",
+            "_jax_trainer.py",
+            "_torch_trainer.py",
+        )
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                # The package's state is private: a wrapper's public
+                # `inner_model`, Keras's `built` and a class's `__name__`
+                # are not.
+                if not isinstance(target, ast.Attribute):
+                    continue
+                name = target.attr
+                if not name.startswith("_") or name.startswith("__"):
+                    continue
+                owner = ast.unparse(target.value)
+                if "model" in owner.lower() or (in_model and owner == "self"):
+                    found.append(f"{path.name}:{node.lineno} {owner}")
+    assert not found, found
+
+
 def _private_accesses(path, names):
     """`(line, name)` of each read or write of a private member in `names`
     in `path`: an attribute, or a `getattr`/`hasattr`/`setattr` string. A

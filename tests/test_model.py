@@ -930,3 +930,33 @@ def test_train_step_called_directly_before_fit_accumulates():
         not np.array_equal(a, b)
         for a, b in zip(model.get_weights(), before, strict=True)
     )
+
+
+def test_the_model_carries_five_attributes_of_the_package():
+    # Before: twelve, two of them (`_epoch`, `_steps_per_epoch`) copies of
+    # window counters. Now the settings, the window and its life.
+    def model(cls, **kwargs):
+        inputs = keras.Input((3,))
+        built = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+        built.compile(optimizer="sgd", loss="mse")
+        return built
+
+    x = np.ones((8, 3), "float32")
+    y = np.ones((8, 1), "float32")
+    accum = model(keras_accum.AccumModel, accum_steps=2)
+    plain = model(keras.Model)
+    for fitted in (accum, plain):
+        fitted.fit(x, y, batch_size=2, epochs=2, verbose=0)
+    assert set(vars(accum)) - set(vars(plain)) == {
+        "_accum_steps",
+        "_partial_window",
+        "_noise_scale_every",
+        "_window",
+        "_life",
+    }
+    # `fit`'s position is in the window's counters, once.
+    assert int(keras.ops.convert_to_numpy(accum._window.counters.epoch)) == 2
+    assert accum._life.epoch is None and accum._life.steps_per_epoch is None
+    # A recompile drops the window and keeps the position.
+    accum.compile(optimizer="sgd", loss="mse")
+    assert accum._window is None and accum._life.epoch == 2
