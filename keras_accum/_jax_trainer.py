@@ -116,6 +116,52 @@ class JaxAccumTrainer(AccumTrainer):
         return super()._check_length_in_step(length, updates, message)
 
     def train_step(self, state, data):
+        if self._micro_batch_size is None:
+            return self._micro_batch_step(state, data)
+        # The batch, split: all micro-batches but the last in a
+        # `fori_loop` (one traced step, whose activations do not outlive
+        # an iteration), the last (maybe shorter) after it; it closes the
+        # window, one update for the batch.
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
+        size = self._micro_batch_size
+        count = int(self._split_count(batch_size))
+        self._life.split_length = count
+        try:
+
+            def one(i, state):
+                piece = keras.tree.map_structure(
+                    lambda t: jax.lax.dynamic_slice_in_dim(t, i * size, size),
+                    data,
+                )
+                return self._micro_batch_step(state, piece, track=False)[1]
+
+            if count > 1:
+                state = jax.lax.fori_loop(0, count - 1, one, state)
+            last = keras.tree.map_structure(
+                lambda t: t[(count - 1) * size : batch_size], data
+            )
+            _, state = self._micro_batch_step(state, last, track=False)
+        finally:
+            self._life.split_length = None
+        return self._tracked_batch_loss(state, batch_size)
+
+    def _tracked_batch_loss(self, state, batch_size):
+        """`(logs, state)` with the split batch's loss in the running mean
+        `fit` logs, once for the batch, as `Model(B)` adds it."""
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        count = len(self.optimizer.variables)
+        _, counters = self._window.unpack(optimizer_and_window[count:])
+        mapping = list(zip(self.metrics_variables, metrics, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            _compat.track_loss(self, self._batch_loss(counters), batch_size)
+            logs = self.get_metrics_result()
+        metrics = _current_values(scope, self.metrics_variables)
+        return logs, (trainable, non_trainable, optimizer_and_window, metrics)
+
+    def _micro_batch_step(self, state, data, track=True):
         # Unpack: the window's values ride after the optimizer's.
         trainable, non_trainable, optimizer_and_window, metrics = state
         count = len(self.optimizer.variables)
@@ -154,9 +200,16 @@ class JaxAccumTrainer(AccumTrainer):
         non_trainable = self._run_close_hooks(non_trainable, applied, complete)
 
         # Metrics.
-        logs, metrics = _compat.update_metrics_variables(
-            self, metrics, out.loss, x, y, out.y_pred, sample_weight
-        )
+        if track:
+            logs, metrics = _compat.update_metrics_variables(
+                self, metrics, out.loss, x, y, out.y_pred, sample_weight
+            )
+        else:
+            # A split batch's loss is tracked once, for the batch.
+            mapping = list(zip(self.metrics_variables, metrics, strict=True))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                logs = self.compute_metrics(x, y, out.y_pred, sample_weight)
+            metrics = _current_values(scope, self.metrics_variables)
         window = window_state.pack(backend.accumulators, counters)
         state = (
             backend.trainable,
@@ -373,3 +426,12 @@ def _ops_class(window_state):
     if window_state.partial_sums:
         return _jax_devices.PartialSumOps
     return JaxOps
+
+
+def _current_values(scope, variables):
+    """The values `scope` holds for `variables` (their own where unset)."""
+    values = []
+    for variable in variables:
+        value = scope.get_current_value(variable)
+        values.append(variable.value if value is None else value)
+    return values

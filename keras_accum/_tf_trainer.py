@@ -40,6 +40,43 @@ class TensorFlowAccumTrainer(AccumTrainer):
     # -- The train step -------------------------------------------------------
 
     def train_step(self, data):
+        if self._micro_batch_size is None:
+            return self._micro_batch_step(data)
+        # The batch, split: all micro-batches but the last in a
+        # `tf.while_loop` (one traced step, whose activations do not
+        # outlive an iteration), the last (maybe shorter) after it; it
+        # closes the window, one update for the batch.
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        first = next(i for i in keras.tree.flatten(x) if i is not None)
+        batch_size = first.shape[0]
+        if batch_size is None:  # Known when the step runs.
+            batch_size = tf.shape(first)[0]
+        size = self._micro_batch_size
+        count = self._split_count(batch_size)
+        self._life.split_length = count
+        try:
+            # Never above the batch: XLA compiles the loop's slice for a
+            # last batch shorter than `size` too, where it never runs.
+            full = tf.minimum(size, batch_size)
+
+            def one(i):
+                self._micro_batch_step(_sliced(data, i * size, full), False)
+                return (i + 1,)
+
+            if not isinstance(count, int) or count > 1:
+                tf.while_loop(lambda i: i < count - 1, one, (tf.constant(0),))
+            start = (count - 1) * size
+            self._micro_batch_step(
+                _sliced(data, start, batch_size - start), track=False
+            )
+        finally:
+            self._life.split_length = None
+        _compat.track_loss(
+            self, self._batch_loss(self._window.read()), batch_size
+        )
+        return self._logs_for_strategy(self.get_metrics_result())
+
+    def _micro_batch_step(self, data, track=True):
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         window = self._window_for_step()
@@ -56,9 +93,12 @@ class TensorFlowAccumTrainer(AccumTrainer):
             batch_size = tf.shape(
                 next(i for i in keras.tree.flatten(x) if i is not None)
             )[0]
-            _compat.track_loss(
-                self, _compat.unscale_loss_for_distribution(loss), batch_size
-            )
+            if track:
+                _compat.track_loss(
+                    self,
+                    _compat.unscale_loss_for_distribution(loss),
+                    batch_size,
+                )
 
             # Scale: the micro-batch's share of the window's loss.
             objective, share = self._micro_batch_share(
@@ -230,3 +270,18 @@ def _multi_worker(strategy) -> bool:
 def _dense_part(gradient):
     # `IndexedSlices` (embeddings) are no tensor; their values are.
     return getattr(gradient, "values", gradient)
+
+
+def _sliced(data, start, size):
+    """`size` samples from `start` of every tensor in `data` (`tf.slice`,
+    whose size XLA needs known when it compiles)."""
+
+    def piece(t):
+        if t is None:
+            return None
+        rest = t.shape.rank - 1
+        begin = tf.stack([tf.cast(start, tf.int32)] + [0] * rest)
+        extent = tf.stack([tf.cast(size, tf.int32)] + [-1] * rest)
+        return tf.slice(t, begin, extent)
+
+    return tf.nest.map_structure(piece, data)

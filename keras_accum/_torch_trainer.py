@@ -51,6 +51,34 @@ class TorchAccumTrainer(AccumTrainer):
         return config
 
     def train_step(self, data):
+        if self._micro_batch_size is None:
+            return self._micro_batch_step(data)
+        # The batch, split: each micro-batch's activations are freed before
+        # the next one's forward pass (a Python loop); the last one closes
+        # the window, one update for the batch.
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
+        count = int(self._split_count(batch_size))
+        size = self._micro_batch_size
+        self._life.split_length = count
+        try:
+            for start in range(0, (count - 1) * size, size):
+                self._micro_batch_step(
+                    _sliced(data, start, start + size), track=False
+                )
+            self._micro_batch_step(
+                _sliced(data, (count - 1) * size, batch_size), track=False
+            )
+        finally:
+            self._life.split_length = None
+        _compat.track_loss(
+            self, self._batch_loss(_read(self._window)), batch_size
+        )
+        return self.get_metrics_result()
+
+    def _micro_batch_step(self, data, track=True):
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -64,7 +92,8 @@ class TorchAccumTrainer(AccumTrainer):
         batch_size = next(
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
-        _compat.track_loss(self, loss, batch_size)
+        if track:
+            _compat.track_loss(self, loss, batch_size)
         # Collected once, after the forward pass (which may build layers):
         # each `trainable_weights` walks the layers.
         variables = self.trainable_weights
@@ -223,6 +252,13 @@ class TorchOps(_window.WindowOps):
             ]
             self.optimizer.apply(grads, self.variables)
         return self.optimizer.iterations.value
+
+
+def _sliced(data, start, stop):
+    """Samples `start` to `stop` of every tensor in `data`."""
+    return keras.tree.map_structure(
+        lambda t: t if t is None else t[start:stop], data
+    )
 
 
 def _read(state) -> _window.Counters:

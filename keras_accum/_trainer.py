@@ -26,7 +26,7 @@ from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
-from keras_accum._window_log import read_array, read_int
+from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
 from keras_accum._window_saving import WindowRules, warn_if_lora_reset
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 
@@ -62,6 +62,10 @@ class WindowLife:
             exists; once it exists its counters hold them instead
             (`counters.epoch`, `counters.steps_per_epoch`) and these are
             None.
+        split_length: With `micro_batch_size`, while a step runs (or is
+            traced): the micro-batches its batch splits into, the length
+            of its window (an int, or a scalar tensor where the batch's
+            size is known only when it runs). None otherwise.
     """
 
     refs: list | None = None
@@ -72,6 +76,7 @@ class WindowLife:
     kept_controller: dict | None = None
     epoch: int | None = 0
     steps_per_epoch: int | None = 0
+    split_length: Any = None
 
 
 class AccumTrainer:
@@ -99,6 +104,7 @@ class AccumTrainer:
         *,
         accum_steps=_KEEP,
         partial_window=_KEEP,
+        micro_batch_size=_KEEP,
         noise_every=_KEEP,
         traced: bool = False,
     ) -> None:
@@ -109,6 +115,8 @@ class AccumTrainer:
             self._accum_steps = accum_steps
         if partial_window is not _KEEP:
             self._partial_window = partial_window
+        if micro_batch_size is not _KEEP:
+            self._micro_batch_size = micro_batch_size
         if noise_every is not _KEEP:
             self._noise_scale_every = noise_every
         if traced:
@@ -353,6 +361,23 @@ class AccumTrainer:
         self.train_function = _checked_train_function(self, self.train_function)
         return self.train_function
 
+    # -- A batch split into micro-batches (`micro_batch_size`) ---------------
+
+    def _split_count(self, batch_size):
+        """How many micro-batches of at most `micro_batch_size` a batch of
+        `batch_size` samples splits into (at least 1)."""
+        size = self._micro_batch_size
+        if isinstance(batch_size, int):  # A static shape (JAX, PyTorch).
+            return max(-(-batch_size // size), 1)
+        return ops.maximum((batch_size + size - 1) // size, 1)
+
+    def _batch_loss(self, counters):
+        """The loss of the batch a split step just closed, as `Model(B)`
+        computes it: the window's published pseudo-batch loss."""
+        log = counters.log
+        slot = (log.count - 1) % LOG_CAPACITY
+        return ops.take(log.loss, slot)
+
     # -- The micro-batch's share of the window --------------------------------
 
     def _micro_batch_share(
@@ -461,7 +486,9 @@ class AccumTrainer:
         return _window.Plan(
             scheduled=self._scheduled_length(updates),
             noise_every=self._noise_every(),
-            close_at_epoch_end=self._partial_window == "apply",
+            # A split batch's window closes with the batch, always.
+            close_at_epoch_end=self._partial_window == "apply"
+            and self._life.split_length is None,
         )
 
     def _close_policy(self, loss_scale) -> _window.ClosePolicy:
@@ -518,6 +545,8 @@ class AccumTrainer:
         None unless `accum_steps` is a callable (the window then takes its
         length from `target_length`).
         """
+        if self._life.split_length is not None:
+            return ops.cast(self._life.split_length, COUNT_DTYPE)
         if not callable(self._accum_steps):
             return None
         length = ops.cast(self._accum_steps(updates), COUNT_DTYPE)

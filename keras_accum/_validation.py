@@ -100,6 +100,45 @@ def check_accum_schedule(accum_steps: object) -> object:
     return check_accum_steps(accum_steps)
 
 
+def check_micro_batch_size(micro_batch_size: object) -> int | None:
+    """Returns `micro_batch_size` (None, or a Python int), or raises naming
+    the value."""
+    if micro_batch_size is None:
+        return None
+    if isinstance(micro_batch_size, bool) or not isinstance(
+        micro_batch_size, numbers.Integral
+    ):
+        raise TypeError(
+            "`micro_batch_size` must be None or an integer >= 1. "
+            f"Received: micro_batch_size={micro_batch_size!r} "
+            f"(of type {type(micro_batch_size).__name__})"
+        )
+    if not 1 <= micro_batch_size <= MAX_STEPS:
+        raise ValueError(
+            "`micro_batch_size` must be None or an integer from 1 to "
+            f"{MAX_STEPS}. Received: micro_batch_size={micro_batch_size!r}"
+        )
+    return int(micro_batch_size)
+
+
+def check_split_mode(accum_steps: object, micro_batch_size) -> None:
+    """Refuses `micro_batch_size` beside an `accum_steps` of its own: each
+    `fit` batch is then one window, of as many micro-batches as it
+    splits into."""
+    if micro_batch_size is not None and not (
+        type(accum_steps) is int and accum_steps == 1
+    ):
+        shown = "auto" if isinstance(accum_steps, AutoAccumSteps) else None
+        raise ValueError(
+            "`micro_batch_size` and `accum_steps` cannot both be set: with "
+            "`micro_batch_size`, each batch `fit` is given is one update, "
+            "split into micro-batches of that size, so the window's length "
+            "follows from the batch. Set one of them. Received: "
+            f"accum_steps={shown or accum_steps!r}, "
+            f"micro_batch_size={micro_batch_size!r}"
+        )
+
+
 def steps_for_epoch(schedule: dict, epoch: int) -> int:
     """The window length an epoch schedule gives `epoch`."""
     return schedule[max(e for e in schedule if e <= epoch)]

@@ -33,7 +33,12 @@ from keras_accum._schedules import (
     deserialize_accum_steps,
     serialize_accum_steps,
 )
-from keras_accum._validation import check_accum_schedule, check_partial_window
+from keras_accum._validation import (
+    check_accum_schedule,
+    check_micro_batch_size,
+    check_partial_window,
+    check_split_mode,
+)
 from keras_accum._window_epochs import WindowEpochs, WindowResume
 from keras_accum._window_log import read_int
 from keras_accum.auto import AutoAccumSteps
@@ -224,18 +229,22 @@ class AccumModel(_Trainer, keras.Model):
         *args: Any,
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
+        micro_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         source = model_being_cloned()
         if isinstance(source, AccumModel):
             # `clone_model` passes only `(inputs, outputs, name)`: without
             # this the clone would train with `accum_steps=1`.
-            accum_steps, partial_window = (
+            accum_steps, partial_window, micro_batch_size = (
                 source._accum_steps,
                 source._partial_window,
+                source._micro_batch_size,
             )
         accum_steps = check_accum_schedule(accum_steps)
         partial_window = check_partial_window(partial_window)
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
+        check_split_mode(accum_steps, micro_batch_size)
         if not isinstance(self, Functional) and functional_init_arguments(
             args, kwargs
         ):
@@ -257,6 +266,7 @@ class AccumModel(_Trainer, keras.Model):
         self._configure(
             accum_steps=accum_steps,
             partial_window=partial_window,
+            micro_batch_size=micro_batch_size,
             noise_every=0,
         )
         self._reset_window_state()
@@ -357,6 +367,7 @@ class AccumModel(_Trainer, keras.Model):
     @accum_steps.setter
     def accum_steps(self, value: AccumSteps) -> None:
         value = check_accum_schedule(value)
+        check_split_mode(value, self._micro_batch_size)
         # A callable schedule and `"auto"`'s controller are traced into
         # the step.
         traced = (value, self._accum_steps)
@@ -374,6 +385,29 @@ class AccumModel(_Trainer, keras.Model):
         if self._window is None:
             return self._steps_for_now() or self._first_length()
         return read_int(self._window.counters.window_length)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The size each batch `fit` is given is split into, or None.
+
+        With it, each batch is one update (one window), split inside the
+        train step into micro-batches of at most this many samples.
+        Setting it applies from the next step (and retraces the step)."""
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        value = check_micro_batch_size(value)
+        check_split_mode(self._accum_steps, value)
+        if value != self._micro_batch_size:
+            if self.mini_step > 0:
+                raise ValueError(
+                    "`micro_batch_size` cannot change while a window is "
+                    f"open ({self.mini_step} micro-batch(es) in it): call "
+                    "`apply_partial_window()` first. Received: "
+                    f"micro_batch_size={value!r}"
+                )
+            self._configure(micro_batch_size=value, traced=True)
 
     @property
     def partial_window(self) -> str:
@@ -586,6 +620,7 @@ class AccumModel(_Trainer, keras.Model):
         config = {
             "accum_steps": serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
+            "micro_batch_size": self._micro_batch_size,
         }
         return {**super().get_config(), **config}
 
@@ -596,11 +631,13 @@ class AccumModel(_Trainer, keras.Model):
             config.pop("accum_steps", 1), custom_objects
         )
         partial_window = config.pop("partial_window", "apply")
+        micro_batch_size = config.pop("micro_batch_size", None)
         # Keras revives functional and subclassed models differently; both
         # paths get a model built with the defaults, set here after.
         model = super().from_config(config, custom_objects=custom_objects)
         model.accum_steps = accum_steps
         model.partial_window = partial_window
+        model.micro_batch_size = micro_batch_size
         return model
 
 
