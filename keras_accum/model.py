@@ -277,8 +277,9 @@ class AccumModel(_Trainer, keras.Model):
     def from_model(
         cls,
         model: keras.Model,
-        accum_steps: AccumSteps,
+        accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
+        micro_batch_size: int | None = None,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -302,6 +303,8 @@ class AccumModel(_Trainer, keras.Model):
                 Micro-batches per optimizer update.
             partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
                 Defaults to `"apply"`.
+            micro_batch_size: None or an integer >= 1, as for
+                `AccumModel`. Defaults to `None`.
 
         Returns:
             An `AccumModel` (uncompiled) computing what `model` computes.
@@ -319,7 +322,10 @@ class AccumModel(_Trainer, keras.Model):
         model = keras_accum.AccumModel.from_model(base, accum_steps=4)
         ```
         """
-        check_accum_schedule(accum_steps)
+        check_split_mode(
+            check_accum_schedule(accum_steps),
+            check_micro_batch_size(micro_batch_size),
+        )
         check_partial_window(partial_window)
         if not isinstance(model, keras.Model):
             raise TypeError(
@@ -339,6 +345,7 @@ class AccumModel(_Trainer, keras.Model):
                     name=model.name,
                     accum_steps=accum_steps,
                     partial_window=partial_window,
+                    micro_batch_size=micro_batch_size,
                 )
         if not model.built:
             raise ValueError(
@@ -352,6 +359,7 @@ class AccumModel(_Trainer, keras.Model):
             name=f"{model.name}_accum",
             accum_steps=accum_steps,
             partial_window=partial_window,
+            micro_batch_size=micro_batch_size,
         )
 
     @property

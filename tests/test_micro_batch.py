@@ -1,0 +1,293 @@
+"""`micro_batch_size`: each batch `fit` is given is one update, split
+inside the step; equal to `keras.Model` trained at that batch."""
+
+import keras
+import numpy as np
+import pytest
+from _helpers import (
+    LargeBatch,
+    UpdateRecorder,
+    assert_equivalent,
+    batch_norm_data,
+    batch_norm_model,
+    mlp,
+    regression_data,
+)
+
+import keras_accum
+
+# 70 samples in batches of 32: two batches of 32 (4 micro-batches of 7
+# and one of 4) and one of 6 (one micro-batch, shorter than 7).
+B, M, N = 32, 7, 70
+
+
+def _compiled(model, optimizer="adam", **kwargs):
+    optimizer = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    }[optimizer]()
+    model.compile(optimizer=optimizer, loss=kwargs.pop("loss", "mse"), **kwargs)
+    return model
+
+
+def _fit_both(
+    accum, plain, x, y, batch_size=B, epochs=2, skip_logs=(), **kwargs
+):
+    """Fits both at `batch_size`; asserts one update per batch, equal after
+    each, and equal logs (but `skip_logs`). Returns the largest weight
+    difference."""
+    reference = LargeBatch(plain)
+    recorder = UpdateRecorder()
+    common = {"epochs": epochs, "shuffle": False, "verbose": 0, **kwargs}
+    plain_history = reference.fit(x, y, batch_size=batch_size, **common)
+    accum_history = accum.fit(
+        x, y, batch_size=batch_size, callbacks=[recorder], **common
+    )
+    batches = -(-len(keras.tree.flatten(x)[0]) // batch_size) * epochs
+    assert int(accum.optimizer.iterations) == batches
+    assert [i for i, _ in recorder.updates] == [
+        i for i, _ in reference.updates.updates
+    ]
+    for index, (_, weights) in enumerate(recorder.updates):
+        assert_equivalent(weights, reference, update=index)
+    # The epoch logs: the loss and metrics `Model(B)` logs.
+    assert set(accum_history.history) == set(plain_history.history)
+    for key, values in accum_history.history.items():
+        if key not in skip_logs:
+            assert_equivalent(values, reference, key=key)
+    return assert_equivalent(accum, reference)
+
+
+@pytest.mark.parametrize(
+    "micro_batch_size,batch_size",
+    [(M, B), (8, B), (1, 5), (64, B)],
+    ids=["uneven", "divides", "one_sample", "larger_than_batch"],
+)
+def test_a_split_batch_equals_the_large_batch(
+    micro_batch_size, batch_size, report_diff
+):
+    x, y = regression_data(n=N)
+    plain = _compiled(mlp(), metrics=["mae"])
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=micro_batch_size),
+        metrics=["mae"],
+    )
+    diff = _fit_both(accum, plain, x, y, batch_size=batch_size)
+    report_diff(diff, f"micro_batch_size={micro_batch_size}, B={batch_size}")
+    assert accum.mini_step == 0  # Every batch closed its window.
+
+
+@pytest.mark.parametrize("mode", ["jit", "no_jit", "eager", "spe"])
+def test_every_compile_mode(mode, report_diff):
+    if mode == "spe" and keras.backend.backend() == "torch":
+        pytest.skip("PyTorch runs one step per execution")
+    kwargs = {
+        "jit": {"jit_compile": True},
+        "no_jit": {"jit_compile": False},
+        "eager": {"run_eagerly": True},
+        "spe": {"steps_per_execution": 2},
+    }[mode]
+    x, y = regression_data(n=N)
+    plain = _compiled(mlp(), **kwargs)
+    accum = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M), **kwargs)
+    report_diff(_fit_both(accum, plain, x, y), f"micro_batch_size, {mode}")
+
+
+def test_a_dataset_of_batches_splits_each_one(report_diff):
+    x, y = regression_data(n=N)
+    rng = np.random.default_rng(3)
+    weights = rng.uniform(0.1, 2.0, size=N).astype("float32")
+    plain = LargeBatch(_compiled(mlp(), metrics=["mae"]))
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=["mae"]
+    )
+    # A `tf.data` pipeline (whose batches have no static size in the
+    # traced step) where TensorFlow runs; arrays elsewhere.
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(B)
+        plain.fit(data, epochs=2, verbose=0)
+        history = accum.fit(data, epochs=2, verbose=0)
+    else:
+        common = {"batch_size": B, "epochs": 2, "shuffle": False}
+        plain.fit(x, y, sample_weight=weights, verbose=0, **common)
+        history = accum.fit(x, y, sample_weight=weights, verbose=0, **common)
+    assert int(accum.optimizer.iterations) == 6
+    assert_equivalent(history.history["loss"], plain, key="loss")
+    report_diff(assert_equivalent(accum, plain), "micro_batch_size, weighted")
+
+
+@pytest.mark.parametrize(
+    "case", ["sample_weights", "masked", "multi_output", "regularized", "sgd"]
+)
+def test_what_the_loss_averages_over(case, report_diff):
+    rng = np.random.default_rng(2)
+    fit_kwargs = {}
+    if case == "masked":
+        # All-zero timesteps are masked out: about a quarter of them.
+        x = rng.normal(size=(N, 6, 2)).astype("float32")
+        x[rng.random((N, 6)) < 0.25] = 0.0
+        y = rng.normal(size=(N, 6, 3)).astype("float32")
+
+        def build(cls, **kwargs):
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((6, 2))
+            hidden = keras.layers.Masking(0.0)(inputs)
+            outputs = keras.layers.Dense(3)(keras.layers.Dense(4)(hidden))
+            return _compiled(cls(inputs, outputs, **kwargs))
+
+    elif case == "multi_output":
+        x, y = regression_data(n=N)
+        y = {"reg": y, "cls": (y[:, :1] > 0).astype("float32")}
+
+        def build(cls, **kwargs):
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((5,))
+            hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+            reg = keras.layers.Dense(3, name="reg")(hidden)
+            out = keras.layers.Dense(1, activation="sigmoid", name="cls")
+            model = cls(inputs, {"reg": reg, "cls": out(hidden)}, **kwargs)
+            return _compiled(
+                model,
+                loss={"reg": "mse", "cls": "binary_crossentropy"},
+                loss_weights={"reg": 0.3, "cls": 2.0},
+                metrics={"cls": ["accuracy"]},
+            )
+
+    else:
+        x, y = regression_data(n=N)
+        layer_kwargs = {}
+        if case == "regularized":
+            layer_kwargs = {"kernel_regularizer": keras.regularizers.L2(0.1)}
+        if case == "sample_weights":
+            fit_kwargs["sample_weight"] = rng.uniform(0.0, 2.0, N).astype(
+                "float32"
+            )
+        optimizer = "sgd" if case == "sgd" else "adam"
+
+        def build(cls, **kwargs):
+            return _compiled(
+                mlp(cls, layer_kwargs=layer_kwargs, **kwargs), optimizer
+            )
+
+    if case == "multi_output" and keras.backend.backend() == "tensorflow":
+        # Keras's TensorFlow step weights each output's logged loss per
+        # step where the batch has no static size (an equal weight per
+        # batch, and so per micro-batch here): documented in the guide.
+        fit_kwargs["skip_logs"] = ("reg_loss", "cls_loss")
+    plain = build(keras.Model)
+    accum = build(keras_accum.AccumModel, micro_batch_size=M)
+    report_diff(
+        _fit_both(accum, plain, x, y, **fit_kwargs), f"micro_batch_size, {case}"
+    )
+
+
+def test_mixed_precision_with_loss_scaling(report_diff):
+    x, y = regression_data(n=N)
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        plain = _compiled(mlp())
+        accum = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
+    finally:
+        keras.config.set_dtype_policy(policy)
+    assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+    common = {"epochs": 2, "shuffle": False, "verbose": 0}
+    plain.fit(x, y, batch_size=B, **common)
+    accum.fit(x, y, batch_size=B, **common)
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
+    # float16 forward passes: the micro-batches' sums round otherwise than
+    # the large batch's, within float16's resolution.
+    diff = assert_equivalent(accum, plain.get_weights(), atol=2e-3, rtol=2e-3)
+    report_diff(diff, "micro_batch_size, mixed_float16")
+
+
+def test_batch_normalization_moving_statistics_follow_the_batch(report_diff):
+    shape = (4,)
+    x, y = batch_norm_data(shape)
+    plain = batch_norm_model(
+        keras.Model, keras.layers.BatchNormalization, shape
+    )
+    accum = batch_norm_model(
+        keras_accum.AccumModel,
+        keras_accum.AccumBatchNormalization,
+        shape,
+        micro_batch_size=M,
+    )
+    for mine, theirs in zip(
+        accum.trainable_weights, plain.trainable_weights, strict=True
+    ):
+        mine.assign(theirs.numpy())
+    common = {"epochs": 2, "shuffle": False, "verbose": 0}
+    plain.fit(x, y, batch_size=B, **common)
+    accum.fit(x, y, batch_size=B, **common)
+
+    def statistics(model):
+        return [
+            keras.ops.convert_to_numpy(v)
+            for layer in model.layers
+            if isinstance(layer, keras.layers.BatchNormalization)
+            for v in (layer.moving_mean, layer.moving_variance)
+        ]
+
+    # The first layer normalizes the inputs: its moving statistics are the
+    # large batch's (pooled over the batch's micro-batches).
+    diff = assert_equivalent(statistics(accum)[:2], statistics(plain)[:2])
+    report_diff(diff, "micro_batch_size, AccumBatchNormalization")
+
+
+# -- The setting --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        (0, ValueError, r"Received: micro_batch_size=0"),
+        (-3, ValueError, r"Received: micro_batch_size=-3"),
+        (2**31, ValueError, r"from 1 to 2147483647"),
+        (2.0, TypeError, r"Received: micro_batch_size=2.0 \(of type float\)"),
+        (True, TypeError, r"Received: micro_batch_size=True"),
+        ("big", TypeError, r"Received: micro_batch_size='big'"),
+    ],
+)
+def test_bad_sizes_are_refused_naming_the_value(value, error, match):
+    with pytest.raises(error, match=match):
+        mlp(keras_accum.AccumModel, micro_batch_size=value)
+    model = mlp(keras_accum.AccumModel)
+    with pytest.raises(error, match=match):
+        model.micro_batch_size = value
+
+
+@pytest.mark.parametrize("accum_steps", [4, "auto", {0: 2}])
+def test_a_size_beside_accum_steps_is_refused_naming_both(accum_steps):
+    match = r"`micro_batch_size` and `accum_steps` cannot both be set.*"
+    with pytest.raises(ValueError, match=match + "micro_batch_size=8"):
+        mlp(keras_accum.AccumModel, accum_steps=accum_steps, micro_batch_size=8)
+    model = mlp(keras_accum.AccumModel, micro_batch_size=8)
+    with pytest.raises(ValueError, match=match):
+        model.accum_steps = accum_steps
+    assert model.accum_steps == 1 and model.micro_batch_size == 8
+
+
+def test_the_size_travels_with_configs_clones_and_files(tmp_path):
+    model = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
+    x, y = regression_data(n=N)
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    assert model.get_config()["micro_batch_size"] == M
+    assert keras.models.clone_model(model).micro_batch_size == M
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.micro_batch_size == M
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
+    )
+    converted = keras_accum.AccumModel.from_model(
+        mlp(), accum_steps=1, micro_batch_size=M
+    )
+    assert converted.micro_batch_size == M
+    # Unset, the classic mode: each batch a micro-batch.
+    model.micro_batch_size = None
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    assert model.get_config()["micro_batch_size"] is None
