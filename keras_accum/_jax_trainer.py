@@ -118,6 +118,16 @@ class JaxAccumTrainer(AccumTrainer):
     def train_step(self, state, data):
         if self._micro_batch_size is None:
             return self._micro_batch_step(state, data)
+        if keras.distribution.distribution() is not None:
+            # Each device must split its own shard (not the global batch's
+            # rows, which live on one device): not built yet.
+            raise NotImplementedError(
+                "`micro_batch_size` does not yet run under a "
+                "`keras.distribution` on JAX. Use `accum_steps` there, or "
+                "train without a distribution. Received: "
+                f"micro_batch_size={self._micro_batch_size!r}, "
+                f"distribution={keras.distribution.distribution()!r}"
+            )
         # The batch, split: all micro-batches but the last in a
         # `fori_loop` (one traced step, whose activations do not outlive
         # an iteration), the last (maybe shorter) after it; it closes the

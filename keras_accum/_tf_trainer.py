@@ -60,7 +60,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
             full = tf.minimum(size, batch_size)
 
             def one(i):
-                self._micro_batch_step(_sliced(data, i * size, full), False)
+                # Never the window's last: no close (and so no replicas'
+                # exchange, which a loop's body cannot hold) in the loop.
+                piece = _sliced(data, i * size, full)
+                self._micro_batch_step(piece, track=False, closes=False)
                 return (i + 1,)
 
             if not isinstance(count, int) or count > 1:
@@ -76,7 +79,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
         )
         return self._logs_for_strategy(self.get_metrics_result())
 
-    def _micro_batch_step(self, data, track=True):
+    def _micro_batch_step(self, data, track=True, closes=True):
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         window = self._window_for_step()
@@ -124,14 +127,14 @@ class TensorFlowAccumTrainer(AccumTrainer):
             if tf.is_tensor(t)
         ]
         ready += [loss, *(_dense_part(g) for g in gradients if g is not None)]
-        self._add_to_window(window, gradients, share, ready)
+        self._add_to_window(window, gradients, share, ready, closes)
 
         # Metrics.
         return self._logs_for_strategy(
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         )
 
-    def _add_to_window(self, window, gradients, share, ready):
+    def _add_to_window(self, window, gradients, share, ready, closes=True):
         """Adds a micro-batch to the window and applies a complete one.
 
         Each accumulator's write waits for its own gradient only (see
@@ -156,9 +159,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
         )
         with tf.control_dependencies(ready):
             window.write(counters, read)
-            _tf_window.close_when(
-                tf.identity(complete), self._close_window, backend
-            )
+            if closes:
+                _tf_window.close_when(
+                    tf.identity(complete), self._close_window, backend
+                )
 
     def _tensorflow_ops(self):
         variables = self.trainable_weights

@@ -1,6 +1,9 @@
 """`micro_batch_size`: each batch `fit` is given is one update, split
 inside the step; equal to `keras.Model` trained at that batch."""
 
+import os
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from _helpers import (
     batch_norm_model,
     mlp,
     regression_data,
+    run_in_fresh_process,
 )
 
 import keras_accum
@@ -291,3 +295,21 @@ def test_the_size_travels_with_configs_clones_and_files(tmp_path):
     model.micro_batch_size = None
     model.fit(x, y, batch_size=B, epochs=1, verbose=0)
     assert model.get_config()["micro_batch_size"] is None
+
+
+@pytest.mark.tensorflow_only(reason="tf.distribute")
+def test_mirrored_strategy_splits_each_replicas_part(report_diff):
+    # Each replica splits its part of the global batch; the window's close
+    # (its one exchange) runs after the loop, on the last micro-batch.
+    worker = Path(__file__).with_name("_micro_batch_worker.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("TF_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(worker.parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    results = run_in_fresh_process([worker], env)
+    assert results["replicas"] == 2
+    assert results["updates"] == results["plain_updates"] == 6
+    assert set(results["logs"]) == {"loss", "mae"}
+    assert max(results["logs"].values()) < 1e-5, results["logs"]
+    report_diff(results["diff"], "micro_batch_size, MirroredStrategy")
