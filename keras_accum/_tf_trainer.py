@@ -223,7 +223,103 @@ class TensorFlowAccumTrainer(AccumTrainer):
     # -- Evaluation and logs under tf.distribute ------------------------------
 
     def test_step(self, data):
-        return self._logs_for_strategy(super().test_step(data))
+        if self._micro_batch_size is None:
+            return self._logs_for_strategy(super().test_step(data))
+        # The batch, split as in `train_step`: the loss is the batch's,
+        # tracked once; the metrics add each micro-batch up.
+        batch_size, count, full = self._split_sizes(data)
+        size = self._micro_batch_size
+
+        def one(i, term, normalizer):
+            share, _ = self._evaluated(_sliced(data, i * size, full))
+            return i + 1, term + share[0], normalizer + share[1]
+
+        zero = tf.zeros((), tf.float32)
+        _, term, normalizer = tf.while_loop(
+            lambda i, *_: i < count - 1, one, (tf.constant(0), zero, zero)
+        )
+        start = (count - 1) * size
+        share, reg = self._evaluated(_sliced(data, start, batch_size - start))
+        loss = self._evaluated_loss(term + share[0], normalizer + share[1], reg)
+        _compat.track_loss(self, loss, batch_size)
+        return self._logs_for_strategy(self.get_metrics_result())
+
+    def _evaluated(self, data):
+        """`(_evaluated_share, regularization)` of an evaluated
+        micro-batch, its metrics updated."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._predicted(x)
+        loss = _compat.compute_loss(
+            self, x, y, y_pred, sample_weight, training=False
+        )
+        reg = self._regularization_loss("float32")
+        first = next(i for i in keras.tree.flatten(x) if i is not None)
+        share = self._evaluated_share(
+            loss, y_pred, sample_weight, tf.shape(first)[0], reg
+        )
+        self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return share, reg
+
+    def predict_step(self, data):
+        if self._micro_batch_size is None:
+            return super().predict_step(data)
+        batch_size, count, full = self._split_sizes(data)
+        size = self._micro_batch_size
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        start = (count - 1) * size
+        last = self._predicted(_sliced(x, start, batch_size - start))
+        flat = tf.nest.flatten(last)
+
+        def one(i, arrays):
+            outputs = tf.nest.flatten(
+                self._predicted(_sliced(x, i * size, full))
+            )
+            return i + 1, [
+                a.write(i, o) for a, o in zip(arrays, outputs, strict=True)
+            ]
+
+        arrays = [
+            tf.TensorArray(o.dtype, size=tf.maximum(count - 1, 0)) for o in flat
+        ]
+        _, arrays = tf.while_loop(
+            lambda i, _: i < count - 1, one, (tf.constant(0), arrays)
+        )
+
+        def joined():
+            found = []
+            for array, output in zip(arrays, flat, strict=True):
+                stacked = tf.reshape(
+                    array.stack(),
+                    tf.concat([[-1], tf.shape(output)[1:]], 0),
+                )
+                found.append(tf.concat([stacked, output], 0))
+            return found
+
+        # An empty array has no shape to stack: a batch of one piece is it.
+        if isinstance(count, int):
+            outputs = joined() if count > 1 else flat
+        else:
+            outputs = tf.cond(count > 1, joined, lambda: flat)
+        return tf.nest.pack_sequence_as(last, outputs)
+
+    def _predicted(self, x):
+        if _compat.call_takes_training(self):
+            return self(x, training=False)
+        return self(x)
+
+    def _split_sizes(self, data):
+        """`(batch size, micro-batches, full micro-batch's size)` of a
+        batch to split: Python ints where the batch's size is static."""
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        first = next(i for i in keras.tree.flatten(x) if i is not None)
+        batch_size = first.shape[0]
+        if batch_size is None:  # Known when the step runs.
+            batch_size = tf.shape(first)[0]
+        count = self._split_count(batch_size)
+        # Never above the batch: XLA compiles the loop's slice for a last
+        # batch shorter than the size too, where it never runs.
+        full = tf.minimum(self._micro_batch_size, batch_size)
+        return batch_size, count, full
 
     def _logs_for_strategy(self, logs):
         """Works around Keras 3.15 reducing scalar logs with `axis=0`.

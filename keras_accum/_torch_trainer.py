@@ -78,6 +78,58 @@ class TorchAccumTrainer(AccumTrainer):
         )
         return self.get_metrics_result()
 
+    def test_step(self, data):
+        if self._micro_batch_size is None:
+            return super().test_step(data)
+        # The batch, split as in `train_step`: the loss is the batch's,
+        # tracked once; the metrics add each micro-batch up.
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
+        size = self._micro_batch_size
+        term = normalizer = 0.0
+        reg = None
+        for start in range(0, batch_size, size):
+            stop = min(start + size, batch_size)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
+                _sliced(data, start, stop)
+            )
+            y_pred = self._predicted(x)
+            loss = _compat.compute_loss(
+                self, x, y, y_pred, sample_weight, training=False
+            )
+            reg = self._regularization_loss("float32")
+            share = self._evaluated_share(
+                loss, y_pred, sample_weight, stop - start, reg
+            )
+            term, normalizer = term + share[0], normalizer + share[1]
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        loss = self._evaluated_loss(term, normalizer, reg)
+        _compat.track_loss(self, loss, batch_size)
+        return self.get_metrics_result()
+
+    def predict_step(self, data):
+        if self._micro_batch_size is None:
+            return super().predict_step(data)
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
+        size = self._micro_batch_size
+        pieces = [
+            self._predicted(_sliced(x, start, min(start + size, batch_size)))
+            for start in range(0, batch_size, size)
+        ]
+        return keras.tree.map_structure(
+            lambda *parts: torch.cat(parts), *pieces
+        )
+
+    def _predicted(self, x):
+        if _compat.call_takes_training(self):
+            return self(x, training=False)
+        return self(x)
+
     def _micro_batch_step(self, data, track=True):
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

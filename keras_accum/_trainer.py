@@ -371,6 +371,33 @@ class AccumTrainer:
             return max(-(-batch_size // size), 1)
         return ops.maximum((batch_size + size - 1) // size, 1)
 
+    def _evaluated_share(self, loss, y_pred, sample_weight, batch_size, reg):
+        """`(term, normalizer)` of an evaluated micro-batch's loss, float32:
+        its loss times what it averaged over, or (where the losses sum) its
+        loss less the regularization `reg`, which the batch counts once.
+        The batch's loss is `_evaluated_loss` of their sums."""
+        found = normalizers.reductions(self)
+        rule = normalizers.rule(found, len(keras.tree.flatten(y_pred)))
+        loss = ops.cast(_compat.unscale_loss_for_distribution(loss), "float32")
+        normalizer = normalizers.normalizer(
+            rule.kind, y_pred, sample_weight, batch_size
+        )
+        if normalizer is None:
+            return loss - ops.cast(reg, "float32"), ops.zeros((), "float32")
+        normalizer = ops.cast(normalizer, "float32")
+        return loss * normalizer, normalizer
+
+    def _evaluated_loss(self, term, normalizer, reg):
+        """The evaluated batch's loss from its micro-batches' summed
+        `_evaluated_share`s, as `Model(B)` computes it."""
+        if self._losses_sum():
+            return term + ops.cast(reg, "float32")
+        return term / _window.window_divisor(normalizer)
+
+    def _losses_sum(self) -> bool:
+        found = normalizers.reductions(self)
+        return normalizers.rule(found, None).kind == "zero"
+
     def _batch_loss(self, counters):
         """The loss of the batch a split step just closed, as `Model(B)`
         computes it: the window's published pseudo-batch loss."""
