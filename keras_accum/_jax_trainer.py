@@ -158,6 +158,117 @@ class JaxAccumTrainer(AccumTrainer):
             self._life.split_length = None
         return self._tracked_batch_loss(state, batch_size)
 
+    def test_step(self, state, data):
+        if self._micro_batch_size is None:
+            return super().test_step(state, data)
+        # The batch, split as in `train_step`: the loss is the batch's,
+        # tracked once; the metrics add each micro-batch up.
+        batch_size, count, size = self._split_sizes(data)
+        zero = jax.numpy.zeros((), "float32")
+
+        def one(i, carried):
+            state, term, normalizer = carried
+            piece = _piece(data, i * size, size)
+            state, share, _ = self._evaluated(state, piece)
+            return state, term + share[0], normalizer + share[1]
+
+        carried = (state, zero, zero)
+        if count > 1:
+            carried = jax.lax.fori_loop(0, count - 1, one, carried)
+        state, term, normalizer = carried
+        last = _piece(data, (count - 1) * size, batch_size - (count - 1) * size)
+        state, share, reg = self._evaluated(state, last)
+        loss = self._evaluated_loss(term + share[0], normalizer + share[1], reg)
+        trainable, non_trainable, metrics = state
+        mapping = list(zip(self.metrics_variables, metrics, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            _compat.track_loss(self, loss, batch_size)
+            logs = self.get_metrics_result()
+        metrics = _current_values(scope, self.metrics_variables)
+        return logs, (trainable, non_trainable, metrics)
+
+    def _evaluated(self, state, data):
+        """`(state, _evaluated_share, regularization)` of an evaluated
+        micro-batch, its metrics updated."""
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        kwargs = {}
+        if _compat.call_takes_training(self):
+            kwargs["training"] = False
+        y_pred, non_trainable, losses = self.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        mapping = [
+            *zip(self.trainable_variables, trainable, strict=True),
+            *zip(self.non_trainable_variables, non_trainable, strict=True),
+            *zip(self.metrics_variables, metrics, strict=True),
+        ]
+        if losses:
+            _compat.override_losses(self, losses)
+        try:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                loss = _compat.compute_loss(
+                    self, x, y, y_pred, sample_weight, training=False
+                )
+                reg = self._regularization_loss("float32")
+                first = next(i for i in keras.tree.flatten(x) if i is not None)
+                share = self._evaluated_share(
+                    loss, y_pred, sample_weight, first.shape[0], reg
+                )
+                self.compute_metrics(x, y, y_pred, sample_weight)
+        finally:
+            if losses:
+                _compat.override_losses(self, None)
+        metrics = _current_values(scope, self.metrics_variables)
+        return (trainable, non_trainable, metrics), share, reg
+
+    def predict_step(self, state, data):
+        if self._micro_batch_size is None:
+            return super().predict_step(state, data)
+        batch_size, count, size = self._split_sizes(data)
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        trainable, non_trainable = state
+        kwargs = {}
+        if _compat.call_takes_training(self):
+            kwargs["training"] = False
+
+        def predicted(non_trainable, piece):
+            return self.stateless_call(
+                trainable, non_trainable, piece, **kwargs
+            )
+
+        def one(non_trainable, i):
+            outputs, non_trainable = predicted(
+                non_trainable, _piece(x, i * size, size)
+            )
+            return non_trainable, outputs
+
+        start = (count - 1) * size
+        if count > 1:
+            non_trainable, stacked = jax.lax.scan(
+                one, non_trainable, jax.numpy.arange(count - 1)
+            )
+        last, non_trainable = predicted(
+            non_trainable, _piece(x, start, batch_size - start)
+        )
+        if count > 1:
+            last = keras.tree.map_structure(
+                lambda s, o: jax.numpy.concatenate(
+                    [s.reshape((-1, *s.shape[2:])), o]
+                ),
+                stacked,
+                last,
+            )
+        return last, non_trainable
+
+    def _split_sizes(self, data):
+        """`(batch size, micro-batches, micro-batch size)` of a batch."""
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        batch_size = next(
+            i for i in keras.tree.flatten(x) if i is not None
+        ).shape[0]
+        return batch_size, self._split_count(batch_size), self._micro_batch_size
+
     def _tracked_batch_loss(self, state, batch_size):
         """`(logs, state)` with the split batch's loss in the running mean
         `fit` logs, once for the batch, as `Model(B)` adds it."""
@@ -445,3 +556,11 @@ def _current_values(scope, variables):
         value = scope.get_current_value(variable)
         values.append(variable.value if value is None else value)
     return values
+
+
+def _piece(data, start, size):
+    """`size` samples from `start` (an int or a traced index) of every
+    array in `data`."""
+    return keras.tree.map_structure(
+        lambda t: jax.lax.dynamic_slice_in_dim(t, start, size), data
+    )

@@ -313,3 +313,54 @@ def test_mirrored_strategy_splits_each_replicas_part(report_diff):
     assert set(results["logs"]) == {"loss", "mae"}
     assert max(results["logs"].values()) < 1e-5, results["logs"]
     report_diff(results["diff"], "micro_batch_size, MirroredStrategy")
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_evaluate_and_predict_split_the_batch_too(reduction, weighted):
+    # Masked timesteps, per-timestep weights, an L2 penalty: the evaluated
+    # loss is the batch's (each micro-batch times what it averaged over;
+    # summed losses count the penalty once).
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(N, 6, 2)).astype("float32")
+    x[rng.random((N, 6)) < 0.25] = 0.0
+    y = rng.normal(size=(N, 6, 3)).astype("float32")
+    kwargs = {}
+    if weighted:
+        kwargs["sample_weight"] = rng.uniform(0, 2, (N, 6)).astype("float32")
+
+    def build(cls, **model_kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6, 2))
+        hidden = keras.layers.Masking(0.0)(inputs)
+        hidden = keras.layers.Dense(4, kernel_regularizer="l2")(hidden)
+        model = cls(inputs, keras.layers.Dense(3)(hidden), **model_kwargs)
+        loss = keras.losses.MeanSquaredError(reduction=reduction)
+        model.compile(optimizer="adam", loss=loss, metrics=["mae"])
+        return model
+
+    plain = build(keras.Model)
+    accum = build(keras_accum.AccumModel, micro_batch_size=M)
+    expected = plain.evaluate(x, y, batch_size=B, verbose=0, **kwargs)
+    found = accum.evaluate(x, y, batch_size=B, verbose=0, **kwargs)
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+    np.testing.assert_allclose(
+        accum.predict(x, batch_size=B, verbose=0),
+        plain.predict(x, batch_size=B, verbose=0),
+        atol=1e-6,
+    )
+
+
+def test_validation_during_fit_is_the_large_batch_s(report_diff):
+    x, y = regression_data(n=N)
+    plain = LargeBatch(_compiled(mlp(), metrics=["mae"]))
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=["mae"]
+    )
+    common = {"batch_size": B, "epochs": 2, "shuffle": False, "verbose": 0}
+    data = {"validation_data": (x[:40], y[:40]), "validation_batch_size": 16}
+    plain.fit(x, y, **common, **data)
+    history = accum.fit(x, y, **common, **data)
+    for key in ("val_loss", "val_mae"):
+        assert_equivalent(history.history[key], plain, key=key)
+    report_diff(assert_equivalent(accum, plain), "micro_batch_size, validation")
