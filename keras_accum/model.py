@@ -188,14 +188,23 @@ class AccumModel(_Trainer, keras.Model):
             still open when an epoch ends: `"apply"` applies it then,
             `"carry"` continues it into the next epoch. Defaults to
             `"apply"`.
+        micro_batch_size: None, or an integer from 1 to 2**31 - 1. With
+            it, each batch `fit` is given is one update, split inside the
+            train step into micro-batches of at most this many samples
+            (`evaluate` and `predict` split the same way); `fit` then
+            equals `keras.Model.fit` at that batch. Not with an
+            `accum_steps` other than 1. See the guide "Batches that fit".
+            Defaults to `None` (each batch a micro-batch).
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`, e.g. `name`.
 
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
-            dict, a callable, `"auto"` or an `AutoAccumSteps`.
-        ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`, an
-            epoch schedule has no epoch 0
+            dict, a callable, `"auto"` or an `AutoAccumSteps`, or
+            `micro_batch_size` is neither None nor an integer.
+        ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`,
+            `micro_batch_size` is out of range or set beside an
+            `accum_steps` other than 1, an epoch schedule has no epoch 0
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.

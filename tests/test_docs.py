@@ -62,6 +62,7 @@ def test_every_page_exists_with_content(site):
         "guides/pseudo-batch-logger/index.html",
         "guides/schedules/index.html",
         "guides/auto/index.html",
+        "guides/batches-that-fit/index.html",
         "guides/noise-scale/index.html",
         "guides/backends/index.html",
         "guides/fine-tuning/index.html",
