@@ -364,3 +364,64 @@ def test_validation_during_fit_is_the_large_batch_s(report_diff):
     for key in ("val_loss", "val_mae"):
         assert_equivalent(history.history[key], plain, key=key)
     report_diff(assert_equivalent(accum, plain), "micro_batch_size, validation")
+
+
+class _Stop(Exception):
+    pass
+
+
+class _KillAt(keras.callbacks.Callback):
+    """Stops `fit` as a kill would: after `batch` of `epoch`."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise _Stop
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 1], ids=["epoch", "batch"])
+def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
+    # Every step closes its window: a backup between steps holds no open
+    # window, at an epoch's end or after any batch.
+    x, y = regression_data(n=N)
+
+    def run(callbacks):
+        model = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        return model
+
+    def backup():
+        return keras.callbacks.BackupAndRestore(
+            str(tmp_path / "backup"), save_freq=save_freq
+        )
+
+    whole = run([])
+    with pytest.raises(_Stop):
+        run([backup(), _KillAt(1, 0 if save_freq == 1 else 2)])
+    if save_freq == 1:
+        # Keras restarts the epoch from its first batch: that batch is
+        # trained twice, as for `keras.Model` (and warned about).
+        with pytest.warns(UserWarning, match="trained twice"):
+            resumed = run([backup()])
+        assert int(resumed.optimizer.iterations) == 10
+        return
+    resumed = run([backup()])
+    assert resumed.mini_step == 0
+    assert int(resumed.optimizer.iterations) == 9
+    for a, b in zip(whole.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
