@@ -89,6 +89,23 @@ def test_backends_script_smoke(tmp_path):
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
 
 
+def test_micro_batch_script_smoke(tmp_path):
+    rows = _run(
+        "bench_micro_batch.py",
+        tmp_path / "micro_batch.json",
+        "--backends=jax",
+        "--micro-batch=8",
+        "--accum-steps=4",
+        "--rounds=2",
+        "--memory",
+    )["rows"]
+    assert [r["variant"] for r in rows] == ["split", "keras_ga", "large"]
+    assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
+    by_variant = {r["variant"]: r["temp_p"] for r in rows}
+    # The split step holds a micro-batch's activations, not the batch's.
+    assert by_variant["split"] < by_variant["large"]
+
+
 def test_window_positions_script_smoke(tmp_path):
     out = tmp_path / "window_positions.json"
     _script(
