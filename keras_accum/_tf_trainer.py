@@ -46,18 +46,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
         # `tf.while_loop` (one traced step, whose activations do not
         # outlive an iteration), the last (maybe shorter) after it; it
         # closes the window, one update for the batch.
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        first = next(i for i in keras.tree.flatten(x) if i is not None)
-        batch_size = first.shape[0]
-        if batch_size is None:  # Known when the step runs.
-            batch_size = tf.shape(first)[0]
+        batch_size, count, full = self._split_sizes(data)
         size = self._micro_batch_size
-        count = self._split_count(batch_size)
         self._life.split_length = count
         try:
-            # Never above the batch: XLA compiles the loop's slice for a
-            # last batch shorter than `size` too, where it never runs.
-            full = tf.minimum(size, batch_size)
 
             def one(i):
                 # Never the window's last: no close (and so no replicas'
