@@ -87,8 +87,8 @@ class AccumTrainer:
     and `_check_length_in_step`.
 
     The package's state on the model is set here and nowhere else: the
-    configuration (`_accum_steps`, `_partial_window`, `_noise_scale_every`,
-    through `_configure`), the window (`_window`: its variables, under the
+    configuration (`_accum_steps`, `_partial_window`, `_micro_batch_size`,
+    `_noise_scale_every`, through `_configure`), the window (`_window`: its variables, under the
     saved format's name `_window_fields.SAVED_UNDER`) and the rest of its
     life (`_life`, a `WindowLife`).
     """
