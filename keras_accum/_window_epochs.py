@@ -116,7 +116,7 @@ class WindowResume(keras.callbacks.Callback):
     `training_metadata.json` with the epoch to resume at. A process killed
     between the two leaves new weights beside the old epoch: Keras would
     train that epoch again on weights that already saw it. The window
-    saved in the weights file records its own epoch (`WindowState.epoch`),
+    saved in the weights file records its own epoch (`counters.epoch`),
     so after the callbacks' `on_train_begin` (this one is last) `fit`
     starts at that epoch, with a warning naming both. A backup taken in
     the middle of an epoch (`save_freq` in batches) cannot resume exactly:
