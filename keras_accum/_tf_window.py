@@ -18,7 +18,7 @@ rules are `_window.py`'s. What differs from the other backends:
   totals besides the optimizer's own gradient all-reduce. An optimizer
   apply there needs `merge_call`, which may not sit inside a per-replica
   conditional: the conditionals move to cross-replica context
-  (`guarded`), as in Keras's `LossScaleOptimizer`;
+  (`close_when`, `CrossReplicaOps`), as in Keras's `LossScaleOptimizer`;
 - under XLA, sums of squares avoid a single-threaded reduction.
 """
 
