@@ -309,7 +309,7 @@ class AccumModel(_Trainer, keras.Model):
             model: A built `keras.Model`: `Sequential`, functional or
                 subclassed (e.g. a pretrained model).
             accum_steps: Integer >= 1, or a schedule, as for `AccumModel`.
-                Micro-batches per optimizer update.
+                Micro-batches per optimizer update. Defaults to `1`.
             partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
                 Defaults to `"apply"`.
             micro_batch_size: None or an integer >= 1, as for
