@@ -88,9 +88,10 @@ class AccumTrainer:
 
     The package's state on the model is set here and nowhere else: the
     configuration (`_accum_steps`, `_partial_window`, `_micro_batch_size`,
-    `_noise_scale_every`, through `_configure`), the window (`_window`: its variables, under the
-    saved format's name `_window_fields.SAVED_UNDER`) and the rest of its
-    life (`_life`, a `WindowLife`).
+    `_noise_scale_every`, through `_configure`), the window (`_window`:
+    its variables, under the saved format's name
+    `_window_fields.SAVED_UNDER`) and the rest of its life (`_life`, a
+    `WindowLife`).
     """
 
     # The arguments of the backend's `train_step`, for error messages.
