@@ -118,41 +118,22 @@ class JaxAccumTrainer(AccumTrainer):
     def train_step(self, state, data):
         if self._micro_batch_size is None:
             return self._micro_batch_step(state, data)
-        if keras.distribution.distribution() is not None:
-            # Each device must split its own shard (not the global batch's
-            # rows, which live on one device): not built yet.
-            raise NotImplementedError(
-                "`micro_batch_size` does not yet run under a "
-                "`keras.distribution` on JAX. Use `accum_steps` there, or "
-                "train without a distribution. Received: "
-                f"micro_batch_size={self._micro_batch_size!r}, "
-                f"distribution={keras.distribution.distribution()!r}"
-            )
         # The batch, split: all micro-batches but the last in a
         # `fori_loop` (one traced step, whose activations do not outlive
         # an iteration), the last (maybe shorter) after it; it closes the
         # window, one update for the batch.
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        batch_size = next(
-            i for i in keras.tree.flatten(x) if i is not None
-        ).shape[0]
-        size = self._micro_batch_size
-        count = int(self._split_count(batch_size))
+        batch_size, count, size = self._split_sizes(data)
         self._life.split_length = count
         try:
 
             def one(i, state):
-                piece = keras.tree.map_structure(
-                    lambda t: jax.lax.dynamic_slice_in_dim(t, i * size, size),
-                    data,
-                )
+                piece = _piece(data, i * size, size)
                 return self._micro_batch_step(state, piece, track=False)[1]
 
             if count > 1:
                 state = jax.lax.fori_loop(0, count - 1, one, state)
-            last = keras.tree.map_structure(
-                lambda t: t[(count - 1) * size : batch_size], data
-            )
+            start = (count - 1) * size
+            last = _piece(data, start, batch_size - start)
             _, state = self._micro_batch_step(state, last, track=False)
         finally:
             self._life.split_length = None
@@ -263,6 +244,16 @@ class JaxAccumTrainer(AccumTrainer):
 
     def _split_sizes(self, data):
         """`(batch size, micro-batches, micro-batch size)` of a batch."""
+        if keras.distribution.distribution() is not None:
+            # Each device must split its own shard (not the global batch's
+            # rows, which live on one device): not built yet.
+            raise NotImplementedError(
+                "`micro_batch_size` does not yet run under a "
+                "`keras.distribution` on JAX. Use `accum_steps` there, or "
+                "train without a distribution. Received: "
+                f"micro_batch_size={self._micro_batch_size!r}, "
+                f"distribution={keras.distribution.distribution()!r}"
+            )
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         batch_size = next(
             i for i in keras.tree.flatten(x) if i is not None
