@@ -118,6 +118,9 @@ class AccumTrainer:
             self._partial_window = partial_window
         if micro_batch_size is not _KEEP:
             self._micro_batch_size = micro_batch_size
+            # `evaluate` and `predict` split the batch too.
+            self.test_function = None
+            self.predict_function = None
         if noise_every is not _KEEP:
             self._noise_scale_every = noise_every
         if traced:

@@ -291,8 +291,14 @@ def test_the_size_travels_with_configs_clones_and_files(tmp_path):
         mlp(), accum_steps=1, micro_batch_size=M
     )
     assert converted.micro_batch_size == M
-    # Unset, the classic mode: each batch a micro-batch.
+    # Unset, the classic mode: each batch a micro-batch; `evaluate` and
+    # `predict` are traced again, unsplit.
+    before = model.evaluate(x, y, batch_size=B, verbose=0)
     model.micro_batch_size = None
+    assert model.test_function is None and model.predict_function is None
+    assert model.evaluate(x, y, batch_size=B, verbose=0) == pytest.approx(
+        before, rel=1e-5
+    )
     model.fit(x, y, batch_size=B, epochs=1, verbose=0)
     assert model.get_config()["micro_batch_size"] is None
 
