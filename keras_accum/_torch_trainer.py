@@ -56,10 +56,7 @@ class TorchAccumTrainer(AccumTrainer):
         # The batch, split: each micro-batch's activations are freed before
         # the next one's forward pass (a Python loop); the last one closes
         # the window, one update for the batch.
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        batch_size = next(
-            i for i in keras.tree.flatten(x) if i is not None
-        ).shape[0]
+        batch_size = _batch_size(data)
         count = int(self._split_count(batch_size))
         size = self._micro_batch_size
         self._life.split_length = count
@@ -83,10 +80,7 @@ class TorchAccumTrainer(AccumTrainer):
             return super().test_step(data)
         # The batch, split as in `train_step`: the loss is the batch's,
         # tracked once; the metrics add each micro-batch up.
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        batch_size = next(
-            i for i in keras.tree.flatten(x) if i is not None
-        ).shape[0]
+        batch_size = _batch_size(data)
         size = self._micro_batch_size
         term = normalizer = 0.0
         reg = None
@@ -113,9 +107,7 @@ class TorchAccumTrainer(AccumTrainer):
         if self._micro_batch_size is None:
             return super().predict_step(data)
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        batch_size = next(
-            i for i in keras.tree.flatten(x) if i is not None
-        ).shape[0]
+        batch_size = _batch_size(data)
         size = self._micro_batch_size
         pieces = [
             self._predicted(_sliced(x, start, min(start + size, batch_size)))
@@ -326,3 +318,9 @@ def _assign_in_place(variable, value):
     # shape: Keras's `assign` would convert and check it again, which on a
     # small model costs more per step than the copies.
     _compat.backing_value(variable).copy_(value)
+
+
+def _batch_size(data):
+    """The number of samples in a batch's inputs."""
+    x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    return next(i for i in keras.tree.flatten(x) if i is not None).shape[0]
