@@ -28,14 +28,13 @@ Results go to benchmarks/results/backends.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _workers
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "accum", "keras_ga")
@@ -45,8 +44,6 @@ def worker(args):
     """Times the variants on the backend Keras was imported with."""
     import keras
     import numpy as np
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _variants import MODELS, compiled
 
     def build(name, variant, k):
@@ -56,11 +53,6 @@ def worker(args):
         return compiled(
             inputs, outputs, variant, k, jit_compile=jit[args.jit_compile]
         )
-
-    def cpu_per_sample(model, x, y):
-        start = time.process_time()
-        model.fit(x, y, batch_size=args.micro_batch, shuffle=False, verbose=0)
-        return (time.process_time() - start) / len(x)
 
     rows = []
     rng = np.random.default_rng(0)
@@ -75,31 +67,15 @@ def worker(args):
             # Keras accumulates from 2 steps on: at k = 1 only ours.
             variants = VARIANTS if k > 1 else VARIANTS[:2]
             built = {v: build(name, v, k) for v in variants}
-            for model in built.values():
-                cpu_per_sample(model, x, y)  # Trace, compile, warm up.
-            times = {v: [] for v in variants}
-            for round_ in range(args.rounds):
-                # Rotating order: no variant always runs first.
-                turn = round_ % len(variants)
-                for variant in variants[turn:] + variants[:turn]:
-                    times[variant].append(cpu_per_sample(built[variant], x, y))
+            times = _workers.time_rounds(
+                built, x, y, args.micro_batch, args.rounds
+            )
             # Against Model(B), and (paired in the same round) ours against
             # Keras's own accumulation.
             pairs = [(v, "plain") for v in variants[1:]]
             if k > 1:
                 pairs.append(("accum", "keras_ga"))
             for variant, baseline in pairs:
-                ratios = [
-                    t / p
-                    for t, p in zip(
-                        times[variant], times[baseline], strict=True
-                    )
-                ]
-                quartiles = (
-                    statistics.quantiles(ratios, n=4)
-                    if len(ratios) > 1
-                    else [ratios[0]] * 3
-                )
                 rows.append(
                     {
                         "backend": keras.backend.backend(),
@@ -109,15 +85,12 @@ def worker(args):
                         "baseline": baseline,
                         "micro_batch": args.micro_batch,
                         "samples_per_run": samples,
-                        "ratios": ratios,
-                        "ratio_median": statistics.median(ratios),
-                        "ratio_q1": quartiles[0],
-                        "ratio_q3": quartiles[2],
+                        **_workers.paired_ratios(times, variant, baseline),
                         "plain_samples_per_cpu_s": 1.0
                         / statistics.median(times["plain"]),
                     }
                 )
-    print("RESULTS " + json.dumps(rows), flush=True)
+    _workers.print_rows(rows)
 
 
 def _parser():
@@ -138,54 +111,25 @@ def _parser():
     return parser
 
 
-def _run_worker(args, backend):
-    """One backend's rows, from a worker process of its own."""
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": backend,
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-    }
-    command = [sys.executable, __file__, "--worker", backend]
-    for option in ("models", "ks", "micro_batch", "rounds", "jit_compile"):
-        command.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
-    command.append(f"--samples-per-run={args.samples_per_run}")
-    result = subprocess.run(
-        command, env=env, capture_output=True, text=True, check=False
-    )
-    line = next(
-        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
-        None,
-    )
-    if result.returncode != 0 or line is None:
-        sys.exit(f"{backend} worker failed:\n{result.stderr[-3000:]}")
-    return json.loads(line[len("RESULTS ") :])
+# What the parent passes on to each worker, as `--name=value`.
+WORKER_OPTIONS = (
+    "models",
+    "ks",
+    "micro_batch",
+    "rounds",
+    "jit_compile",
+    "samples_per_run",
+)
 
 
 def main():
     args = _parser().parse_args()
     if args.worker:
         return worker(args)
-    rows = []
-    for backend in args.backends.split(","):
-        rows.extend(_run_worker(args, backend))
-
-    import keras
-
-    report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "keras": keras.__version__,
-        },
-        "clock": "cpu",
-        "rounds": args.rounds,
-        "jit_compile": args.jit_compile,
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    rows = _workers.run_workers(__file__, args, WORKER_OPTIONS)
+    _workers.write_report(
+        args.out, rows, args.rounds, jit_compile=args.jit_compile
+    )
     print(
         f"{'backend':<11} {'model':<5} {'k':>3}  {'variant':<9} "
         "vs baseline  median  (q1-q3) of CPU time/sample"

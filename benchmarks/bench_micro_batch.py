@@ -25,14 +25,12 @@ Results go to benchmarks/results/micro_batch.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _workers
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("accum", "split", "keras_ga", "large")
@@ -42,11 +40,9 @@ def worker(args):
     """Times the variants on the backend Keras was imported with."""
     import keras
     import numpy as np
+    from _variants import MODELS, compiled
 
     import keras_accum
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _variants import MODELS, compiled
 
     m, k = args.micro_batch, args.accum_steps
     batch = {"accum": m, "keras_ga": m, "split": m * k, "large": m * k}
@@ -63,11 +59,6 @@ def worker(args):
             inputs, outputs, "plain" if variant == "large" else variant, k
         )
 
-    def cpu_per_sample(model, variant, x, y):
-        start = time.process_time()
-        model.fit(x, y, batch_size=batch[variant], shuffle=False, verbose=0)
-        return (time.process_time() - start) / len(x)
-
     rows = []
     rng = np.random.default_rng(0)
     for name in args.models.split(","):
@@ -76,26 +67,9 @@ def worker(args):
         x = rng.normal(size=(samples, *shape)).astype("float32")
         y = rng.integers(0, 10, size=samples).astype("int32")
         built = {v: build(name, v) for v in VARIANTS}
-        for variant, model in built.items():
-            cpu_per_sample(model, variant, x, y)  # Trace, compile, warm up.
-        times = {v: [] for v in VARIANTS}
-        for round_ in range(args.rounds):
-            turn = round_ % len(VARIANTS)
-            for variant in VARIANTS[turn:] + VARIANTS[:turn]:
-                times[variant].append(
-                    cpu_per_sample(built[variant], variant, x, y)
-                )
+        times = _workers.time_rounds(built, x, y, batch, args.rounds)
         memory = _memory(built, batch, x, y) if args.memory else {}
         for variant in VARIANTS[1:]:
-            ratios = [
-                t / a
-                for t, a in zip(times[variant], times["accum"], strict=True)
-            ]
-            quartiles = (
-                statistics.quantiles(ratios, n=4)
-                if len(ratios) > 1
-                else [ratios[0]] * 3
-            )
             rows.append(
                 {
                     "backend": keras.backend.backend(),
@@ -104,15 +78,12 @@ def worker(args):
                     "baseline": "accum",
                     "micro_batch": m,
                     "accum_steps": k,
-                    "ratios": ratios,
-                    "ratio_median": statistics.median(ratios),
-                    "ratio_q1": quartiles[0],
-                    "ratio_q3": quartiles[2],
+                    **_workers.paired_ratios(times, variant, "accum"),
                     "temp_p": memory.get(variant),
                     "accum_temp_p": memory.get("accum"),
                 }
             )
-    print("RESULTS " + json.dumps(rows), flush=True)
+    _workers.print_rows(rows)
 
 
 def _memory(built, batch, x, y):
@@ -156,55 +127,24 @@ def _parser():
     return parser
 
 
-def _run_worker(args, backend):
-    """One backend's rows, from a worker process of its own."""
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": backend,
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-    }
-    command = [sys.executable, __file__, "--worker", backend]
-    for option in ("models", "micro_batch", "accum_steps", "rounds"):
-        command.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
-    command.append(f"--samples-per-run={args.samples_per_run}")
-    if args.memory:
-        command.append("--memory")
-    result = subprocess.run(
-        command, env=env, capture_output=True, text=True, check=False
-    )
-    line = next(
-        (x for x in result.stdout.splitlines() if x.startswith("RESULTS ")),
-        None,
-    )
-    if result.returncode != 0 or line is None:
-        sys.exit(f"{backend} worker failed:\n{result.stderr[-3000:]}")
-    return json.loads(line[len("RESULTS ") :])
+# What the parent passes on to each worker: as `--name=value`, and (where
+# set) as `--name`.
+WORKER_OPTIONS = (
+    "models",
+    "micro_batch",
+    "accum_steps",
+    "rounds",
+    "samples_per_run",
+)
+WORKER_FLAGS = ("memory",)
 
 
 def main():
     args = _parser().parse_args()
     if args.worker:
         return worker(args)
-    rows = []
-    for backend in args.backends.split(","):
-        rows.extend(_run_worker(args, backend))
-
-    import keras
-
-    report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "keras": keras.__version__,
-        },
-        "clock": "cpu",
-        "rounds": args.rounds,
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    rows = _workers.run_workers(__file__, args, WORKER_OPTIONS, WORKER_FLAGS)
+    _workers.write_report(args.out, rows, args.rounds)
     print(
         f"{'backend':<11} {'model':<5} {'variant':<9} vs accum  "
         "median  (q1-q3) of CPU time/sample   temporaries (P)"

@@ -67,6 +67,17 @@ def batch_norm_model(model_cls, norm_cls, shape, **kwargs):
     return model
 
 
+def moving_statistics(model):
+    """`(moving_mean, moving_variance)` of each `BatchNormalization` layer
+    of `model` (`AccumBatchNormalization` too), as numpy arrays, in the
+    order of `model.layers`."""
+    return [
+        (layer.moving_mean.numpy(), layer.moving_variance.numpy())
+        for layer in model.layers
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
 def mlp(model_cls=keras.Model, features=5, outputs=3, seed=1, **kwargs):
     """A small MLP, identical weights for the same `seed`."""
     keras.utils.set_random_seed(seed)
@@ -82,6 +93,24 @@ def mlp(model_cls=keras.Model, features=5, outputs=3, seed=1, **kwargs):
 
 def accum_mlp(accum_steps, **kwargs):
     return mlp(keras_accum.AccumModel, accum_steps=accum_steps, **kwargs)
+
+
+def activation_mlp(model_cls, **kwargs):
+    """An MLP whose activations are large against its weights: 2 x 1024
+    floats a sample (64-1024-1024-10); for the memory of a split step."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(1024, activation="relu")(inputs)
+    hidden = keras.layers.Dense(1024, activation="relu")(hidden)
+    outputs = keras.layers.Dense(10)(hidden)
+    return model_cls(inputs, outputs, **kwargs)
+
+
+def activation_data(samples):
+    """`samples` inputs for `activation_mlp`, and labels of 10 classes."""
+    rng = np.random.default_rng(0)
+    x = rng.random((samples, 64), dtype=np.float32)
+    return x, rng.integers(0, 10, size=(samples,))
 
 
 class UpdateRecorder(keras.callbacks.Callback):
@@ -109,6 +138,34 @@ class UpdateRecorder(keras.callbacks.Callback):
             self.updates.append(
                 (iterations, [w.copy() for w in self.model.get_weights()])
             )
+
+
+class Killed(Exception):
+    """What `KillAt` raises unless told otherwise."""
+
+
+class KillAt(keras.callbacks.Callback):
+    """Stops `fit` as a kill would, for a run to resume from a backup.
+
+    After batch `batch` of epoch `epoch` (both from 0), or, where `batch`
+    is None, at the start of `epoch`. Raises `error`: an exception or its
+    class, `Killed` unless given.
+    """
+
+    def __init__(self, epoch, batch=None, error=Killed):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.error = error
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        if self.at == (epoch, None):
+            raise self.error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.at == (self.epoch, batch):
+            raise self.error
 
 
 def max_weight_diff(a, b):

@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import pytest
 from _helpers import (
+    KillAt,
+    Killed,
     LargeBatch,
     assert_equivalent,
     mlp,
@@ -459,22 +461,6 @@ def test_jax_data_parallel_replays_exactly(report_diff):
     report_diff(diff, "auto, JAX DataParallel, 2 devices")
 
 
-class _Stop(Exception):
-    pass
-
-
-class _KillAt(keras.callbacks.Callback):
-    """Stops `fit` as a kill would: at the start of `epoch`."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise _Stop
-
-
 def _controller(model):
     counters = model._window.counters
     names = (
@@ -513,8 +499,8 @@ def test_a_killed_run_resumes_bit_identical(tmp_path):
 
     whole = run([])
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    with pytest.raises(_Stop):
-        run([backup, _KillAt(3)])
+    with pytest.raises(Killed):
+        run([backup, KillAt(3)])
     resumed = run([keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
     assert _controller(resumed) == _controller(whole)
     assert _controller(whole)["auto_estimates"] > 0

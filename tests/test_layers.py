@@ -8,19 +8,12 @@ from _helpers import (
     assert_equivalent,
     batch_norm_data,
     batch_norm_model,
+    moving_statistics,
 )
 
 import keras_accum
 
 B, K = 8, 4
-
-
-def _moving_statistics(model):
-    return [
-        (layer.moving_mean.numpy(), layer.moving_variance.numpy())
-        for layer in model.layers
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
 
 
 def _statistics_in(model, weights):
@@ -57,8 +50,8 @@ def test_moving_statistics_equal_the_large_batch(shape, report_diff):
     plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
     diff = assert_equivalent(
-        [s for pair in _moving_statistics(accum) for s in pair],
-        [s for pair in _moving_statistics(plain.model) for s in pair],
+        [s for pair in moving_statistics(accum) for s in pair],
+        [s for pair in moving_statistics(plain.model) for s in pair],
         rtol=2e-6,
         exact=lambda: _statistics_in(plain.model, plain.float64()[0]),
     )
@@ -87,8 +80,8 @@ def test_plain_batch_normalization_updates_per_micro_batch():
     )
     plain.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
     accum.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    (pm, _), *_ = _moving_statistics(plain)
-    (am, _), *_ = _moving_statistics(accum)
+    (pm, _), *_ = moving_statistics(plain)
+    (am, _), *_ = moving_statistics(accum)
     assert float(np.max(np.abs(am - pm))) > 0.1
 
 
@@ -104,7 +97,7 @@ def test_outside_an_accum_model_it_is_batch_normalization():
     plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     other.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     for (pm, pv), (om, ov) in zip(
-        _moving_statistics(plain), _moving_statistics(other), strict=True
+        moving_statistics(plain), moving_statistics(other), strict=True
     ):
         np.testing.assert_array_equal(om, pm)
         np.testing.assert_array_equal(ov, pv)
@@ -139,7 +132,7 @@ def test_open_window_statistics_survive_save_and_load(tmp_path):
     for model in (reference, loaded):
         model.fit(more_x, more_y, batch_size=B, shuffle=False, verbose=0)
     for (rm, rv), (lm, lv) in zip(
-        _moving_statistics(reference), _moving_statistics(loaded), strict=True
+        moving_statistics(reference), moving_statistics(loaded), strict=True
     ):
         np.testing.assert_allclose(lm, rm, rtol=1e-6)
         np.testing.assert_allclose(lv, rv, rtol=1e-6)

@@ -14,6 +14,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from _helpers import activation_data, activation_mlp
 from keras.src.trainers.data_adapters import array_data_adapter
 
 import keras_accum
@@ -256,22 +257,6 @@ def test_torch_update_hands_the_accumulators_to_the_optimizer():
 # -- A batch split inside the step (`micro_batch_size`) -----------------------
 
 
-def _activation_mlp(model_cls, **kwargs):
-    # Activations large against the weights: 2 x 1024 floats a sample.
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    hidden = keras.layers.Dense(1024, activation="relu")(inputs)
-    hidden = keras.layers.Dense(1024, activation="relu")(hidden)
-    outputs = keras.layers.Dense(10)(hidden)
-    return model_cls(inputs, outputs, **kwargs)
-
-
-def _activation_data(samples):
-    rng = np.random.default_rng(0)
-    x = rng.random((samples, 64), dtype=np.float32)
-    return x, rng.integers(0, 10, size=(samples,))
-
-
 @pytest.mark.skipif(
     keras.backend.backend() != "jax",
     reason="JAX's compiled step; TensorFlow's allocator below",
@@ -282,14 +267,14 @@ def test_jax_split_step_holds_a_micro_batch_not_the_batch():
     accumulators and the batch is an argument."""
     import jax
 
-    x, y = _activation_data(1024)
+    x, y = activation_data(1024)
     analyses = {}
     for name, model, batch in (
-        ("small", _activation_mlp(keras.Model), 16),
-        ("large", _activation_mlp(keras.Model), 1024),
+        ("small", activation_mlp(keras.Model), 16),
+        ("large", activation_mlp(keras.Model), 1024),
         (
             "split",
-            _activation_mlp(keras_accum.AccumModel, micro_batch_size=16),
+            activation_mlp(keras_accum.AccumModel, micro_batch_size=16),
             1024,
         ),
     ):
@@ -324,17 +309,15 @@ def test_tensorflow_graph_split_step_holds_a_micro_batch_not_the_batch():
     loop holds more (4.6 P): see the guide."""
     import tensorflow as tf
 
-    x, y = _activation_data(2048)
+    x, y = activation_data(2048)
     info = tf.config.experimental.get_memory_info
     measured = {}
     for name, build, batch in (
-        ("small", lambda: _activation_mlp(keras.Model), 16),
-        ("large", lambda: _activation_mlp(keras.Model), 1024),
+        ("small", lambda: activation_mlp(keras.Model), 16),
+        ("large", lambda: activation_mlp(keras.Model), 1024),
         (
             "split",
-            lambda: _activation_mlp(
-                keras_accum.AccumModel, micro_batch_size=16
-            ),
+            lambda: activation_mlp(keras_accum.AccumModel, micro_batch_size=16),
             1024,
         ),
     ):

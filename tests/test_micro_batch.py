@@ -8,12 +8,15 @@ import keras
 import numpy as np
 import pytest
 from _helpers import (
+    KillAt,
+    Killed,
     LargeBatch,
     UpdateRecorder,
     assert_equivalent,
     batch_norm_data,
     batch_norm_model,
     mlp,
+    moving_statistics,
     regression_data,
     run_in_fresh_process,
 )
@@ -226,18 +229,11 @@ def test_batch_normalization_moving_statistics_follow_the_batch(report_diff):
     common = {"epochs": 2, "shuffle": False, "verbose": 0}
     plain.fit(x, y, batch_size=B, **common)
     accum.fit(x, y, batch_size=B, **common)
-
-    def statistics(model):
-        return [
-            keras.ops.convert_to_numpy(v)
-            for layer in model.layers
-            if isinstance(layer, keras.layers.BatchNormalization)
-            for v in (layer.moving_mean, layer.moving_variance)
-        ]
-
     # The first layer normalizes the inputs: its moving statistics are the
     # large batch's (pooled over the batch's micro-batches).
-    diff = assert_equivalent(statistics(accum)[:2], statistics(plain)[:2])
+    diff = assert_equivalent(
+        moving_statistics(accum)[0], moving_statistics(plain)[0]
+    )
     report_diff(diff, "micro_batch_size, AccumBatchNormalization")
 
 
@@ -372,26 +368,6 @@ def test_validation_during_fit_is_the_large_batch_s(report_diff):
     report_diff(assert_equivalent(accum, plain), "micro_batch_size, validation")
 
 
-class _Stop(Exception):
-    pass
-
-
-class _KillAt(keras.callbacks.Callback):
-    """Stops `fit` as a kill would: after `batch` of `epoch`."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise _Stop
-
-
 @pytest.mark.parametrize("save_freq", ["epoch", 1], ids=["epoch", "batch"])
 def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
     # Every step closes its window: a backup between steps holds no open
@@ -417,8 +393,8 @@ def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
         )
 
     whole = run([])
-    with pytest.raises(_Stop):
-        run([backup(), _KillAt(1, 0 if save_freq == 1 else 2)])
+    with pytest.raises(Killed):
+        run([backup(), KillAt(1, 0 if save_freq == 1 else 2)])
     if save_freq == 1:
         # Keras restarts the epoch from its first batch: that batch is
         # trained twice, as for `keras.Model` (and warned about).

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 from _helpers import (
+    KillAt,
     LargeBatch,
     accum_mlp,
     assert_equivalent,
@@ -238,18 +239,9 @@ def test_weights_files_move_between_accum_and_plain_models(tmp_path):
     assert_same_weights(fresh, plain, atol=0)
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("pre-empted")
+def _interrupt(epoch, batch):
+    """Pre-empts `fit` after `batch` of `epoch`: a `RuntimeError`."""
+    return KillAt(epoch, batch, error=RuntimeError("pre-empted"))
 
 
 def test_backup_and_restore_resumes_an_open_window(tmp_path, report_diff):
@@ -277,7 +269,7 @@ def test_backup_and_restore_resumes_an_open_window(tmp_path, report_diff):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     first = model()
     with pytest.raises(RuntimeError, match="pre-empted"):
-        fit(first, [backup, _Interrupt(epoch=1, batch=4)])
+        fit(first, [backup, _interrupt(epoch=1, batch=4)])
     # A new process would build a new model: the backup holds the window.
     second = model()
     fit(second, [keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
@@ -402,7 +394,7 @@ def test_a_backup_taken_mid_epoch_warns_that_keras_replays_it(tmp_path):
             epochs=2,
             shuffle=False,
             verbose=0,
-            callbacks=[backup, _Interrupt(epoch=0, batch=7)],
+            callbacks=[backup, _interrupt(epoch=0, batch=7)],
         )
     again = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=6)
     with pytest.warns(UserWarning, match="during epoch 1, after 6 of its"):
