@@ -2,7 +2,7 @@
 
 # First: it warns when this Keras is outside the tested range.
 from keras_accum import _compat  # noqa: F401
-from keras_accum.auto import AutoAccumSteps
+from keras_accum.auto import AutoAccumSteps, AutoMicroBatch
 from keras_accum.callbacks import PseudoBatch, PseudoBatchLogger
 from keras_accum.layers import AccumBatchNormalization
 from keras_accum.model import AccumModel
@@ -13,6 +13,7 @@ __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
     "AutoAccumSteps",
+    "AutoMicroBatch",
     "PseudoBatch",
     "PseudoBatchLogger",
 ]

@@ -90,6 +90,10 @@ from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 # own; a functional `AccumModel` runs the two itself.
 from keras.src.trainers.trainer import Trainer  # noqa: E402
 
+# A line to the user as Keras prints its own (stdout, or absl's log when
+# interactive logging is off): `micro_batch_size="auto"`'s choice.
+from keras.src.utils.io_utils import print_msg  # noqa: E402
+
 # Unique layer names ("accum_model", "accum_model_1", ...), as Keras names.
 from keras.src.utils.naming import auto_name  # noqa: E402
 
@@ -107,6 +111,7 @@ __all__ = [
     "make_functional",
     "model_being_cloned",
     "optimizer_strategy",
+    "print_msg",
     "unscale_loss_for_distribution",
     "warn_if_untested",
 ]
@@ -239,6 +244,16 @@ def symbolic_build(model, data_batch) -> None:
     """Builds `model`, its metrics and optimizer from a batch's spec, as
     `fit` does before its first step (`Trainer._symbolic_build`)."""
     model._symbolic_build(data_batch=data_batch)
+
+
+def created_trainable_ids(model) -> set:
+    """The ids of every weight created trainable, frozen ones included
+    (`Layer._trainable_variables` keeps them when `trainable` is off)."""
+    return {
+        id(v)
+        for layer in sublayers(model)
+        for v in getattr(layer, "_trainable_variables", ())
+    }
 
 
 def seed_generators(layer) -> list:
@@ -391,6 +406,7 @@ PRIVATE_MEMBERS = {
     "_update_metrics_variables": "JAXTrainer: the step's metric updates",
     "_flatten_layers": "Layer: every sublayer",
     "_seed_generators": "Layer: its random number generators",
+    "_trainable_variables": "Layer: its weights made trainable, frozen too",
     "_moments": "BatchNormalization: a batch's mean and variance",
     "_reduction_axes": "BatchNormalization: the axes it normalizes over",
     "_keras_history": "KerasTensor: the layer that made an input",

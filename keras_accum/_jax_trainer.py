@@ -18,13 +18,14 @@ hooks that carry the window in the state (`_get_jax_state`,
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, NamedTuple
 
 import jax
 import keras
 
-from keras_accum import _compat, _jax_devices, _window
+from keras_accum import _compat, _jax_devices, _sizing, _window
 from keras_accum._jax_ops import JaxOps, iterations_index
 from keras_accum._trainer import AccumTrainer
 
@@ -122,7 +123,7 @@ class JaxAccumTrainer(AccumTrainer):
         # `fori_loop` (one traced step, whose activations do not outlive
         # an iteration), the last (maybe shorter) after it; it closes the
         # window, one update for the batch.
-        batch_size, count, size = self._split_sizes(data)
+        batch_size, count, size = self._split_sizes(data, "train")
         self._life.split_length = count
         try:
 
@@ -144,7 +145,7 @@ class JaxAccumTrainer(AccumTrainer):
             return super().test_step(state, data)
         # The batch, split as in `train_step`: the loss is the batch's,
         # tracked once; the metrics add each micro-batch up.
-        batch_size, count, size = self._split_sizes(data)
+        batch_size, count, size = self._split_sizes(data, "test")
         zero = jax.numpy.zeros((), "float32")
 
         def one(i, carried):
@@ -206,7 +207,7 @@ class JaxAccumTrainer(AccumTrainer):
     def predict_step(self, state, data):
         if self._micro_batch_size is None:
             return super().predict_step(state, data)
-        batch_size, count, size = self._split_sizes(data)
+        batch_size, count, size = self._split_sizes(data, "predict")
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         trainable, non_trainable = state
         kwargs = {}
@@ -242,7 +243,7 @@ class JaxAccumTrainer(AccumTrainer):
             )
         return last, non_trainable
 
-    def _split_sizes(self, data):
+    def _split_sizes(self, data, kind):
         """`(batch size, micro-batches, micro-batch size)` of a batch."""
         if keras.distribution.distribution() is not None:
             # Each device must split its own shard (not the global batch's
@@ -258,7 +259,139 @@ class JaxAccumTrainer(AccumTrainer):
         batch_size = next(
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
-        return batch_size, self._split_count(batch_size), self._micro_batch_size
+        size = self._split_size(kind)
+        return batch_size, self._split_count(batch_size, size), size
+
+    # -- Sizing the split (`_sizing.py`) -------------------------------------
+
+    def _split_batches(self, kind, args):
+        state, batches = args
+        return state, iter(batches)
+
+    def _split_args(self, kind, state, batches):
+        return state, batches
+
+    def _split_result(self, result):
+        return result
+
+    def _split_outputs(self, outputs, state):
+        return outputs, state
+
+    def _batch_signature(self, batch):
+        # Every shape of batch is compiled, and so sized, on its own.
+        return tuple(
+            (tuple(leaf.shape), str(leaf.dtype))
+            for leaf in jax.tree_util.tree_leaves(batch)
+        )
+
+    def _fresh_inner(self, kind):
+        # Keras jits the bound `train_step`, whose traces `jax.jit` keeps
+        # by the function: a new jit of it would reuse the trace made at
+        # the old size.
+        jax.clear_caches()
+        return super()._fresh_inner(kind)
+
+    def _out_of_memory(self, error) -> bool:
+        return isinstance(error, jax.errors.JaxRuntimeError) and (
+            "RESOURCE_EXHAUSTED" in str(error)
+        )
+
+    def _split_snapshot(self):
+        # The state is the step's argument, and no step changes it.
+        return None
+
+    def _split_restore(self, kept, state, error):
+        del kept
+        if any(
+            getattr(leaf, "is_deleted", lambda: False)()
+            for leaf in jax.tree_util.tree_leaves(state)
+        ):
+            raise RuntimeError(
+                "The train step ran out of memory after XLA had taken its "
+                "state's buffers (the step donates them, as Keras's does): "
+                "the batch cannot be redone. Give a smaller "
+                "`micro_batch_size`, or `AutoMicroBatch(margin=...)` larger "
+                "than its default."
+            ) from error
+        return state
+
+    def _split_give_up(self, state) -> None:
+        # Keras's `fit` keeps the state out of the variables while it runs
+        # and would leave them empty on the error.
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        optimizer = [*self.optimizer.variables, *self._window.variables]
+        pairs = [
+            *zip(self.trainable_variables, trainable, strict=True),
+            *zip(self.non_trainable_variables, non_trainable, strict=True),
+            *zip(optimizer, optimizer_and_window, strict=True),
+            *zip(self.metrics_variables, metrics, strict=True),
+        ]
+        for variable, value in pairs:
+            variable.assign(value)
+
+    def _sizing_method(self):
+        return True, "XLA's compiled memory analysis"
+
+    def _device_memory(self):
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]), f"{device}'s memory"
+        available = _sizing.host_available_memory()
+        if available is None:
+            raise ValueError(
+                '`micro_batch_size="auto"` could not read this device\'s '
+                "memory: give the bytes a step may use, "
+                "`micro_batch_size=keras_accum.AutoMicroBatch("
+                f"memory_limit=...)`. Received: micro_batch_size="
+                f"{self._micro_batch_size!r} on {device}"
+            )
+        return available, "the host's available memory"
+
+    @contextlib.contextmanager
+    def _probing(self, kind, batch, state):
+        """`measure(size)`: the peak XLA assigns the step of `kind` on
+        `batch` at that size: its arguments (the state, donated as Keras
+        donates them, and the batch), outputs not aliased to them, and
+        temporaries. Compiles; runs nothing."""
+        step = getattr(self, f"{kind}_step")
+        split = self._life.split
+        active = split.active.get(kind)
+        donate = () if kind == "predict" else (0,)
+
+        def measure(size):
+            split.active[kind] = size
+
+            # A new function each time: `jax.jit` caches a trace by the
+            # function, and the size is read while tracing.
+            def sized(state, data):
+                return step(state, data)
+
+            try:
+                compiled = (
+                    jax.jit(sized, donate_argnums=donate)
+                    .lower(state, batch)
+                    .compile()
+                )
+            except Exception as error:
+                if self._out_of_memory(error):
+                    return None
+                raise
+            found = compiled.memory_analysis()
+            return (
+                found.argument_size_in_bytes
+                + found.output_size_in_bytes
+                - found.alias_size_in_bytes
+                + found.temp_size_in_bytes
+            )
+
+        try:
+            yield measure
+        finally:
+            if active is None:
+                split.active.pop(kind, None)
+            else:
+                split.active[kind] = active
 
     def _tracked_batch_loss(self, state, batch_size):
         """`(logs, state)` with the split batch's loss in the running mean

@@ -11,13 +11,16 @@ any `tf.distribute` strategy.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_accum import _compat, _tf_window, _window
+from keras_accum import _compat, _sizing, _tf_window, _window
 from keras_accum._compat import optimizer_strategy
 from keras_accum._trainer import AccumTrainer
 
@@ -46,8 +49,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
         # `tf.while_loop` (one traced step, whose activations do not
         # outlive an iteration), the last (maybe shorter) after it; it
         # closes the window, one update for the batch.
-        batch_size, count, full = self._split_sizes(data)
-        size = self._micro_batch_size
+        batch_size, count, full, size = self._split_sizes(data, "train")
         self._life.split_length = count
         try:
 
@@ -58,12 +60,23 @@ class TensorFlowAccumTrainer(AccumTrainer):
                 self._micro_batch_step(piece, track=False, closes=False)
                 return (i + 1,)
 
+            done = []
             if not isinstance(count, int) or count > 1:
-                tf.while_loop(lambda i: i < count - 1, one, (tf.constant(0),))
+                # One iteration at a time: TensorFlow would otherwise start
+                # the next micro-batch's forward pass (which reads only the
+                # weights) beside this one's, up to 10 at once.
+                done = tf.while_loop(
+                    lambda i: i < count - 1,
+                    one,
+                    (tf.constant(0),),
+                    parallel_iterations=1,
+                )
             start = (count - 1) * size
-            self._micro_batch_step(
-                _sliced(data, start, batch_size - start), track=False
-            )
+            # After the loop: run beside it, the last micro-batch's
+            # activations would add to an iteration's at the peak.
+            with tf.control_dependencies(done):
+                last = _sliced(data, start, batch_size - start)
+            self._micro_batch_step(last, track=False)
         finally:
             self._life.split_length = None
         _compat.track_loss(
@@ -219,19 +232,23 @@ class TensorFlowAccumTrainer(AccumTrainer):
             return self._logs_for_strategy(super().test_step(data))
         # The batch, split as in `train_step`: the loss is the batch's,
         # tracked once; the metrics add each micro-batch up.
-        batch_size, count, full = self._split_sizes(data)
-        size = self._micro_batch_size
+        batch_size, count, full, size = self._split_sizes(data, "test")
 
         def one(i, term, normalizer):
             share, _ = self._evaluated(_sliced(data, i * size, full))
             return i + 1, term + share[0], normalizer + share[1]
 
         zero = tf.zeros((), tf.float32)
-        _, term, normalizer = tf.while_loop(
-            lambda i, *_: i < count - 1, one, (tf.constant(0), zero, zero)
+        done, term, normalizer = tf.while_loop(
+            lambda i, *_: i < count - 1,
+            one,
+            (tf.constant(0), zero, zero),
+            parallel_iterations=1,  # As in `train_step`.
         )
         start = (count - 1) * size
-        share, reg = self._evaluated(_sliced(data, start, batch_size - start))
+        with tf.control_dependencies([done]):  # Not beside the loop.
+            last = _sliced(data, start, batch_size - start)
+        share, reg = self._evaluated(last)
         loss = self._evaluated_loss(term + share[0], normalizer + share[1], reg)
         _compat.track_loss(self, loss, batch_size)
         return self._logs_for_strategy(self.get_metrics_result())
@@ -255,8 +272,7 @@ class TensorFlowAccumTrainer(AccumTrainer):
     def predict_step(self, data):
         if self._micro_batch_size is None:
             return super().predict_step(data)
-        batch_size, count, full = self._split_sizes(data)
-        size = self._micro_batch_size
+        batch_size, count, full, size = self._split_sizes(data, "predict")
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         start = (count - 1) * size
         last = self._predicted(_sliced(x, start, batch_size - start))
@@ -273,8 +289,13 @@ class TensorFlowAccumTrainer(AccumTrainer):
         arrays = [
             tf.TensorArray(o.dtype, size=tf.maximum(count - 1, 0)) for o in flat
         ]
+        with tf.control_dependencies(flat):  # Not beside the loop.
+            first = tf.identity(tf.constant(0))
         _, arrays = tf.while_loop(
-            lambda i, _: i < count - 1, one, (tf.constant(0), arrays)
+            lambda i, _: i < count - 1,
+            one,
+            (first, arrays),
+            parallel_iterations=1,  # As in `train_step`.
         )
 
         def joined():
@@ -299,19 +320,186 @@ class TensorFlowAccumTrainer(AccumTrainer):
             return self(x, training=False)
         return self(x)
 
-    def _split_sizes(self, data):
-        """`(batch size, micro-batches, full micro-batch's size)` of a
-        batch to split: Python ints where the batch's size is static."""
+    def _split_sizes(self, data, kind):
+        """`(batch size, micro-batches, full micro-batch's size, size)` of
+        a batch a step of `kind` splits: Python ints where the batch's
+        size is static."""
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         first = next(i for i in keras.tree.flatten(x) if i is not None)
         batch_size = first.shape[0]
         if batch_size is None:  # Known when the step runs.
             batch_size = tf.shape(first)[0]
-        count = self._split_count(batch_size)
+        size = self._split_size(kind)
+        count = self._split_count(batch_size, size)
         # Never above the batch: XLA compiles the loop's slice for a last
         # batch shorter than the size too, where it never runs.
-        full = tf.minimum(self._micro_batch_size, batch_size)
-        return batch_size, count, full
+        full = tf.minimum(size, batch_size)
+        return batch_size, count, full, size
+
+    # -- Sizing the split (`_sizing.py`) -------------------------------------
+
+    def _split_batches(self, kind, args):
+        # Keras's train and test functions take an iterator, its predict
+        # function a list of batches.
+        (batches,) = args
+        return None, iter(batches)
+
+    def _split_args(self, kind, state, batches):
+        del state
+        return (list(batches),) if kind == "predict" else (batches,)
+
+    def _split_result(self, result):
+        return result, None
+
+    def _split_outputs(self, outputs, state):
+        return outputs
+
+    def _local_shape(self, value):
+        # A distributed batch: each replica splits its own part.
+        return self.distribute_strategy.experimental_local_results(value)[
+            0
+        ].shape
+
+    def _out_of_memory(self, error) -> bool:
+        return isinstance(error, tf.errors.ResourceExhaustedError)
+
+    def _can_redo_out_of_memory(self) -> bool:
+        # Another worker, its step whole, would wait in the next exchange.
+        return not _multi_worker(self.distribute_strategy)
+
+    def _split_snapshot(self):
+        cache = self._life.split.cache
+        if cache.get("window", False) is not self._window:
+            cache["window"] = self._window
+            parts = _parts(
+                self.distribute_strategy, self._step_written_variables()
+            )
+
+            # One call for every read (about 40 eager reads otherwise). A
+            # read keeps its value: a later write to the variable copies
+            # the buffer first (TensorFlow's copy-on-write).
+            @tf.function(autograph=False)
+            def read():
+                return [part.read_value() for part in parts]
+
+            cache["snapshot"] = (parts, read)
+        parts, read = cache["snapshot"]
+        return list(zip(parts, read(), strict=True))
+
+    def _split_restore(self, kept, state, error):
+        del error
+        for part, value in kept:
+            part.assign(value)
+        return state
+
+    def _sizing_method(self):
+        exact = all(d == "CPU" for d, _ in self._replica_devices())
+        return exact, (
+            "TensorFlow's allocator peak over probe steps "
+            "(tf.config.experimental.get_memory_info)"
+        )
+
+    def _device_memory(self):
+        kinds = {kind for kind, _ in self._replica_devices()}
+        if kinds == {"CPU"}:
+            available = _sizing.host_available_memory()
+            if available is not None:
+                return available, "the host's available memory"
+        else:
+            index = self._replica_devices()[0][1]
+            total = _sizing.nvidia_total_memory(index)
+            if total is not None:
+                return total, f"GPU:{index}'s total memory (NVML)"
+        raise ValueError(
+            '`micro_batch_size="auto"` could not read this device\'s '
+            "memory: give the bytes a step may use, "
+            "`micro_batch_size=keras_accum.AutoMicroBatch(memory_limit=...)`"
+            f". Received: micro_batch_size={self._micro_batch_size!r} on "
+            f"{sorted(kinds)}"
+        )
+
+    def _replica_devices(self):
+        """`[(device type, index)]` of the devices the step runs on."""
+        try:
+            names = self.distribute_strategy.extended.worker_devices
+        except RuntimeError:  # The default strategy: the default device.
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            return [("GPU", 0)] if gpu else [("CPU", 0)]
+        found = []
+        for name in names:
+            spec = tf.DeviceSpec.from_string(name)
+            found.append((spec.device_type or "CPU", spec.device_index or 0))
+        return found
+
+    @contextlib.contextmanager
+    def _probing(self, kind, batch, state):
+        """`measure(size)`: the allocator's peak, in bytes, over the step of
+        `kind` run on `batch` at that size (the largest of the replicas'
+        devices; None if it ran out of memory). Every variable the probes
+        may change is copied to the host first and restored after."""
+        del state
+        strategy = self.distribute_strategy
+        variables = [
+            *self.variables,
+            *self.optimizer.variables,
+            *self.metrics_variables,
+            *self._window.variables,
+        ]
+        parts = _parts(strategy, variables)
+        # Host copies: a view would keep the device's old buffer alive
+        # through the probes' updates and count it in their peaks.
+        kept = [np.array(part.numpy(), copy=True) for part in parts]
+        devices = sorted({f"{d}:{i}" for d, i in self._replica_devices()})
+        step = getattr(self, f"{kind}_step")
+        split = self._life.split
+        active = split.active.get(kind)
+
+        def measure(size):
+            split.active[kind] = size
+
+            def probe(data):
+                return strategy.run(step, args=(data,))
+
+            if not self.run_eagerly:
+                probe = tf.function(probe, jit_compile=bool(self.jit_compile))
+            try:
+                # Twice: the first run holds one-time buffers (its trace's
+                # constants, kernels' caches); the second is every step's.
+                for _ in range(2):
+                    for device in devices:
+                        tf.config.experimental.reset_memory_stats(device)
+                    tf.nest.map_structure(
+                        lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                        strategy.experimental_local_results(probe(batch)),
+                    )
+            except tf.errors.ResourceExhaustedError:
+                return None
+            info = tf.config.experimental.get_memory_info
+            peak = max(info(device)["peak"] for device in devices)
+            if not peak:
+                raise ValueError(
+                    '`micro_batch_size="auto"` needs the allocator\'s '
+                    "figures, and TensorFlow's CPU allocator keeps none "
+                    "unless `TF_CPU_ALLOCATOR_USE_BFC=true` is set in the "
+                    "environment before TensorFlow starts. Set it, or give "
+                    "an int. Received: micro_batch_size="
+                    f"{self._micro_batch_size!r} on {devices}"
+                )
+            return peak
+
+        # Each probe traces the step at its size, on purpose.
+        quiet = _RetracingFilter()
+        tf.get_logger().addFilter(quiet)
+        try:
+            yield measure
+        finally:
+            tf.get_logger().removeFilter(quiet)
+            if active is None:
+                split.active.pop(kind, None)
+            else:
+                split.active[kind] = active
+            for part, value in zip(parts, kept, strict=True):
+                part.assign(value)
 
     def _logs_for_strategy(self, logs):
         """Works around Keras 3.15 reducing scalar logs with `axis=0`.
@@ -357,6 +545,20 @@ def _multi_worker(strategy) -> bool:
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and _compat.in_multi_worker_mode(strategy)
+
+
+class _RetracingFilter(logging.Filter):
+    def filter(self, record) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+def _parts(strategy, variables) -> list:
+    """The `tf.Variable`s behind Keras `variables`: one per replica where
+    a strategy keeps copies."""
+    parts = []
+    for variable in variables:
+        parts.extend(strategy.experimental_local_results(variable.value))
+    return parts
 
 
 def _dense_part(gradient):

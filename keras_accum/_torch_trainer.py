@@ -13,6 +13,7 @@ the way Keras picks its trainer by backend.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
@@ -57,8 +58,8 @@ class TorchAccumTrainer(AccumTrainer):
         # the next one's forward pass (a Python loop); the last one closes
         # the window, one update for the batch.
         batch_size = _batch_size(data)
-        count = int(self._split_count(batch_size))
-        size = self._micro_batch_size
+        size = self._split_size("train")
+        count = int(self._split_count(batch_size, size))
         self._life.split_length = count
         try:
             for start in range(0, (count - 1) * size, size):
@@ -81,7 +82,7 @@ class TorchAccumTrainer(AccumTrainer):
         # The batch, split as in `train_step`: the loss is the batch's,
         # tracked once; the metrics add each micro-batch up.
         batch_size = _batch_size(data)
-        size = self._micro_batch_size
+        size = self._split_size("test")
         term = normalizer = 0.0
         reg = None
         for start in range(0, batch_size, size):
@@ -108,7 +109,7 @@ class TorchAccumTrainer(AccumTrainer):
             return super().predict_step(data)
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         batch_size = _batch_size(data)
-        size = self._micro_batch_size
+        size = self._split_size("predict")
         pieces = [
             self._predicted(_sliced(x, start, min(start + size, batch_size)))
             for start in range(0, batch_size, size)
@@ -116,6 +117,106 @@ class TorchAccumTrainer(AccumTrainer):
         return keras.tree.map_structure(
             lambda *parts: torch.cat(parts), *pieces
         )
+
+    # -- Sizing the split (`_sizing.py`) -------------------------------------
+
+    def _split_batches(self, kind, args):
+        # Keras's functions take a list of batches.
+        (batches,) = args
+        return None, iter(batches)
+
+    def _split_args(self, kind, state, batches):
+        return (list(batches),)
+
+    def _split_result(self, result):
+        return result, None
+
+    def _split_outputs(self, outputs, state):
+        return outputs
+
+    def _out_of_memory(self, error) -> bool:
+        if not isinstance(error, torch.OutOfMemoryError):
+            return False
+        if torch.cuda.is_available():
+            # What the failed step held goes back to the device.
+            torch.cuda.empty_cache()
+        return True
+
+    def _split_snapshot(self):
+        return [
+            (v, _compat.backing_value(v).detach().clone())
+            for v in self._step_written_variables()
+        ]
+
+    def _split_restore(self, kept, state, error):
+        del error
+        with torch.no_grad():
+            for variable, value in kept:
+                _assign_in_place(variable, value)
+        return state
+
+    def _cuda_device(self):
+        device = torch.device(keras.src.backend.torch.core.get_device())
+        return device if device.type == "cuda" else None
+
+    def _sizing_method(self):
+        return False, "PyTorch's CUDA allocator peak over probe steps"
+
+    def _device_memory(self):
+        device = self._cuda_device()
+        if device is None:
+            raise ValueError(
+                '`micro_batch_size="auto"` needs the allocator\'s figures, '
+                "which PyTorch has on CUDA devices only: on a CPU give an "
+                "int, e.g. `micro_batch_size=32`. Received: "
+                f"micro_batch_size={self._micro_batch_size!r} on "
+                f"{keras.src.backend.torch.core.get_device()}"
+            )
+        return torch.cuda.mem_get_info(device)[1], f"{device}'s total memory"
+
+    @contextlib.contextmanager
+    def _probing(self, kind, batch, state):
+        """`measure(size)`: the CUDA allocator's peak over the step of
+        `kind` run on `batch` at that size (None if it ran out of memory).
+        Every variable the probes may change is copied to the host first
+        and restored after."""
+        del state
+        device = self._cuda_device()
+        if device is None:
+            self._device_memory()  # Raises: no figures on a CPU.
+        variables = [
+            *self.variables,
+            *self.optimizer.variables,
+            *self.metrics_variables,
+            *self._window.variables,
+        ]
+        kept = [_compat.backing_value(v).detach().cpu() for v in variables]
+        step = getattr(self, f"{kind}_step")
+        split = self._life.split
+        active = split.active.get(kind)
+
+        def measure(size):
+            split.active[kind] = size
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                step(batch)
+                torch.cuda.synchronize(device)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                return None
+            return torch.cuda.max_memory_allocated(device)
+
+        try:
+            yield measure
+        finally:
+            if active is None:
+                split.active.pop(kind, None)
+            else:
+                split.active[kind] = active
+            with torch.no_grad():
+                for variable, value in zip(variables, kept, strict=True):
+                    _assign_in_place(variable, value.to(device))
 
     def _predicted(self, x):
         if _compat.call_takes_training(self):

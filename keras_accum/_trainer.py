@@ -20,7 +20,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_accum import _compat, _window
+from keras_accum import _compat, _sizing, _window
 from keras_accum import _normalizer as normalizers
 from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
@@ -66,6 +66,8 @@ class WindowLife:
             traced): the micro-batches its batch splits into, the length
             of its window (an int, or a scalar tensor where the batch's
             size is known only when it runs). None otherwise.
+        split: With `micro_batch_size`, the sizes in force and the
+            choices made (`_sizing.SplitSizes`).
     """
 
     refs: list | None = None
@@ -77,6 +79,9 @@ class WindowLife:
     epoch: int | None = 0
     steps_per_epoch: int | None = 0
     split_length: Any = None
+    split: _sizing.SplitSizes = dataclasses.field(
+        default_factory=_sizing.SplitSizes
+    )
 
 
 class AccumTrainer:
@@ -121,6 +126,8 @@ class AccumTrainer:
             # `evaluate` and `predict` split the batch too.
             self.test_function = None
             self.predict_function = None
+            if getattr(self, "_life", None) is not None:
+                self._life.split = _sizing.SplitSizes()
         if noise_every is not _KEEP:
             self._noise_scale_every = noise_every
         if traced:
@@ -359,18 +366,113 @@ class AccumTrainer:
         if self.train_function is not None and not force:
             return self.train_function
         check_model(self)
-        # Set when the traced (or eager) step reaches the window.
-        self._life.stepped = False
-        super().make_train_function(force=force)
-        self.train_function = _checked_train_function(self, self.train_function)
+        self.train_function = self._split_function(
+            "train", self._keras_function("train")
+        )
         return self.train_function
+
+    def make_test_function(self, force: bool = False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        self.test_function = self._split_function(
+            "test", self._keras_function("test")
+        )
+        return self.test_function
+
+    def make_predict_function(self, force: bool = False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        self.predict_function = self._split_function(
+            "predict", self._keras_function("predict")
+        )
+        return self.predict_function
+
+    def _keras_function(self, kind):
+        """Keras's own function of `kind` (made anew), the train function
+        checked to reach the window."""
+        if kind == "train":
+            # Set when the traced (or eager) step reaches the window.
+            self._life.stepped = False
+        getattr(super(), f"make_{kind}_function")(force=True)
+        function = getattr(self, f"{kind}_function")
+        if kind == "train":
+            function = _checked_train_function(self, function)
+        return function
+
+    def _split_function(self, kind, function):
+        if self._micro_batch_size is None:
+            return function
+        return _sizing.SplitFunction(self, kind, function)
+
+    def _fresh_inner(self, kind):
+        """Keras's function of `kind` traced anew (after the size
+        changed), leaving the model's own in place."""
+        kept = getattr(self, f"{kind}_function")
+        try:
+            return self._keras_function(kind)
+        finally:
+            setattr(self, f"{kind}_function", kept)
 
     # -- A batch split into micro-batches (`micro_batch_size`) ---------------
 
-    def _split_count(self, batch_size):
-        """How many micro-batches of at most `micro_batch_size` a batch of
+    def _split_size(self, kind: str) -> int:
+        """The micro-batch size a step of `kind` (`"train"`, `"test"`,
+        `"predict"`) splits its batch into: the one its function chose
+        (`_sizing.SplitFunction`), else an int setting."""
+        size = self._life.split.active.get(kind)
+        if size is None:
+            size = self._micro_batch_size
+        if not isinstance(size, int):
+            raise RuntimeError(
+                f'`micro_batch_size="auto"` chooses the size for the {kind} '
+                "step when `fit`, `evaluate` or `predict` (or "
+                "`train_on_batch`, `test_on_batch`, `predict_on_batch`) "
+                "first runs it; this step was called directly before. Run "
+                "one of them first, or give an int. Received: "
+                f"micro_batch_size={self._micro_batch_size!r}"
+            )
+        return size
+
+    def _split_batch_size(self, batch) -> int:
+        """The number of samples in `batch` (a step's data, as Keras's
+        function passes it), known before its step runs."""
+        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+        first = next(i for i in keras.tree.flatten(x) if i is not None)
+        return int(self._local_shape(first)[0])
+
+    def _local_shape(self, value):
+        return value.shape
+
+    def _batch_signature(self, batch):
+        """What a micro-batch size is chosen for: one size for every
+        batch (None) unless a backend compiles each shape on its own."""
+        del batch
+        return None
+
+    def _step_written_variables(self) -> list:
+        """The variables a split train step writes before its window
+        closes: the metrics', the model's state (normalization statistics,
+        seed generators; not frozen weights) and the window's counters.
+        The accumulators need no copy: restoring the counters reopens the
+        window at its start, whose first micro-batch overwrites them."""
+        frozen = _compat.created_trainable_ids(self)
+        state = [v for v in self.non_trainable_variables if id(v) not in frozen]
+        # None before a model that builds only on real data first runs.
+        window = [] if self._window is None else self._window.counters.flat()
+        return [*self.metrics_variables, *state, *window]
+
+    def _can_redo_out_of_memory(self) -> bool:
+        return True
+
+    def _split_give_up(self, state) -> None:
+        """Before an out-of-memory error that no smaller size can help is
+        raised: puts `state` (the step's input, as restored) where the
+        model's variables read it."""
+        del state
+
+    def _split_count(self, batch_size, size):
+        """How many micro-batches of at most `size` a batch of
         `batch_size` samples splits into (at least 1)."""
-        size = self._micro_batch_size
         if isinstance(batch_size, int):  # A static shape (JAX, PyTorch).
             return max(-(-batch_size // size), 1)
         return ops.maximum((batch_size + size - 1) // size, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from keras_accum.auto import MAX_STEPS, AutoAccumSteps
+from keras_accum.auto import MAX_STEPS, AutoAccumSteps, AutoMicroBatch
 
 PARTIAL_WINDOW_MODES = ("apply", "carry")
 
@@ -100,23 +100,27 @@ def check_accum_schedule(accum_steps: object) -> object:
     return check_accum_steps(accum_steps)
 
 
-def check_micro_batch_size(micro_batch_size: object) -> int | None:
-    """Returns `micro_batch_size` (None, or a Python int), or raises naming
-    the value."""
-    if micro_batch_size is None:
-        return None
+def check_micro_batch_size(micro_batch_size: object) -> object:
+    """Returns `micro_batch_size` (None, a Python int, or an
+    `AutoMicroBatch`, which `"auto"` becomes), or raises naming the
+    value."""
+    if micro_batch_size is None or isinstance(micro_batch_size, AutoMicroBatch):
+        return micro_batch_size
+    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
+        return AutoMicroBatch()
     if isinstance(micro_batch_size, bool) or not isinstance(
         micro_batch_size, numbers.Integral
     ):
         raise TypeError(
-            "`micro_batch_size` must be None or an integer >= 1. "
+            '`micro_batch_size` must be None, an integer >= 1, "auto" or '
+            "an `AutoMicroBatch`. "
             f"Received: micro_batch_size={micro_batch_size!r} "
             f"(of type {type(micro_batch_size).__name__})"
         )
     if not 1 <= micro_batch_size <= MAX_STEPS:
         raise ValueError(
-            "`micro_batch_size` must be None or an integer from 1 to "
-            f"{MAX_STEPS}. Received: micro_batch_size={micro_batch_size!r}"
+            '`micro_batch_size` must be None, "auto" or an integer from 1 '
+            f"to {MAX_STEPS}. Received: micro_batch_size={micro_batch_size!r}"
         )
     return int(micro_batch_size)
 

@@ -1,9 +1,11 @@
-"""`accum_steps="auto"`: a window that follows the critical batch size.
+"""The `"auto"` settings: `accum_steps="auto"`, a window that follows the
+critical batch size, and `micro_batch_size="auto"`, a micro-batch sized to
+the device's memory.
 
 `AutoAccumSteps` configures the controller; its rules
 (`_auto_rules.learning_rate`, `_auto_rules.steer`) are pure functions of
 the window's counters, run by `_window.close` inside the compiled step on
-every backend.
+every backend. `AutoMicroBatch` configures the search in `_sizing.py`.
 """
 
 from __future__ import annotations
@@ -143,6 +145,91 @@ class AutoAccumSteps:
 
     @classmethod
     def from_config(cls, config: dict) -> AutoAccumSteps:
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+@dataclasses.dataclass(frozen=True)
+class AutoMicroBatch:
+    """A micro-batch sized to the memory the train step may use.
+
+    Pass it (or `"auto"`, its defaults) as `AccumModel`'s
+    `micro_batch_size`. Before the first step of `fit` (and of `evaluate`
+    or `predict`, where they run first), the model finds the largest
+    micro-batch whose step's peak memory stays within the budget,
+    `memory_limit × (1 - margin)`, for the batch `fit` was given, without
+    running a step that would not fit:
+
+    - JAX: from the compiled step's memory analysis (XLA's buffer
+      assignment: the state, the batch and the step's temporaries), for
+      every new shape of batch before it runs;
+    - TensorFlow (graph and XLA) and PyTorch on CUDA: from the allocator's
+      peak over probe steps on the first batch at small sizes,
+      extrapolated, then checked at the size chosen; the probes' updates
+      are undone;
+    - PyTorch on a CPU has no allocator figures: refused (give an int).
+
+    Every size from 1 to the batch is a candidate, not only powers of 2.
+    The chosen size and the peak it predicts are printed, once per choice,
+    and kept in `model.micro_batch_choices`. If a step still runs out
+    of memory (the backend's own error), the micro-batch shrinks and the
+    batch is redone from its start (see `AccumModel`'s
+    `micro_batch_size`). The sizes change nothing but memory and speed:
+    every update equals `keras.Model`'s at the batch.
+
+    Args:
+        memory_limit: None, or an integer > 0: the bytes the step may use
+            on one device, including the weights, the optimizer's state,
+            the accumulators and the batch. None reads the device's
+            memory: the accelerator's total on a GPU or TPU, the host's
+            available memory (`MemAvailable`) on a CPU. Defaults to
+            `None`.
+        margin: Float in [0, 1). The share of `memory_limit` kept free for
+            what the step's figures do not see (fragmentation, other
+            processes, the framework's own buffers). Defaults to `0.1`.
+
+    Example:
+
+    ```python
+    model = keras_accum.AccumModel(
+        inputs, outputs,
+        micro_batch_size=keras_accum.AutoMicroBatch(memory_limit=8 * 2**30),
+    )
+    model.fit(x, y, batch_size=1024)  # One update per 1024 samples.
+    ```
+    """
+
+    memory_limit: int | None = None
+    margin: float = 0.1
+
+    def __post_init__(self) -> None:
+        limit = self.memory_limit
+        if limit is not None and (
+            isinstance(limit, bool)
+            or not isinstance(limit, numbers.Integral)
+            or limit < 1
+        ):
+            raise ValueError(
+                "`memory_limit` must be None or an integer number of bytes "
+                f">= 1. Received: memory_limit={limit!r}"
+            )
+        margin = _number(
+            "margin", self.margin, "a number in [0, 1)", (None, 1.0)
+        )
+        object.__setattr__(
+            self, "memory_limit", None if limit is None else int(limit)
+        )
+        object.__setattr__(self, "margin", margin)
+
+    def budget(self, memory_limit: int) -> int:
+        """The bytes a step may use of `memory_limit`."""
+        return int(memory_limit * (1.0 - self.margin))
+
+    def get_config(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: dict) -> AutoMicroBatch:
         return cls(**config)
 
 

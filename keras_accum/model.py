@@ -41,7 +41,7 @@ from keras_accum._validation import (
 )
 from keras_accum._window_epochs import WindowEpochs, WindowResume
 from keras_accum._window_log import read_int
-from keras_accum.auto import AutoAccumSteps
+from keras_accum.auto import AutoAccumSteps, AutoMicroBatch
 
 _SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -188,11 +188,18 @@ class AccumModel(_Trainer, keras.Model):
             still open when an epoch ends: `"apply"` applies it then,
             `"carry"` continues it into the next epoch. Defaults to
             `"apply"`.
-        micro_batch_size: None, or an integer from 1 to 2**31 - 1. With
-            it, each batch `fit` is given is one update, split inside the
-            train step into micro-batches of at most this many samples
-            (`evaluate` and `predict` split the same way); `fit` then
-            equals `keras.Model.fit` at that batch. Not with an
+        micro_batch_size: None, an integer from 1 to 2**31 - 1, or
+            `"auto"` / an `AutoMicroBatch`. With it, each batch `fit` is
+            given is one update, split inside the train step into
+            micro-batches of at most this many samples (`evaluate` and
+            `predict` split the same way); `fit` then equals
+            `keras.Model.fit` at that batch. `"auto"` picks the largest
+            size whose step fits the device's memory (see
+            `AutoMicroBatch`). With either, a train step that runs out of
+            memory (TensorFlow's `ResourceExhaustedError`, JAX's
+            `RESOURCE_EXHAUSTED`, `torch.OutOfMemoryError`) is undone and
+            its batch redone at half the micro-batch, with a warning naming
+            both sizes: the update is the same, only slower. Not with an
             `accum_steps` other than 1. See the guide "Batches that fit".
             Defaults to `None` (each batch a micro-batch).
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
@@ -201,7 +208,8 @@ class AccumModel(_Trainer, keras.Model):
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
             dict, a callable, `"auto"` or an `AutoAccumSteps`, or
-            `micro_batch_size` is neither None nor an integer.
+            `micro_batch_size` is neither None, an integer, `"auto"` nor
+            an `AutoMicroBatch`.
         ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`,
             `micro_batch_size` is out of range or set beside an
             `accum_steps` other than 1, an epoch schedule has no epoch 0
@@ -238,7 +246,7 @@ class AccumModel(_Trainer, keras.Model):
         *args: Any,
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | AutoMicroBatch | None = None,
         **kwargs: Any,
     ) -> None:
         source = model_being_cloned()
@@ -288,7 +296,7 @@ class AccumModel(_Trainer, keras.Model):
         model: keras.Model,
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | AutoMicroBatch | None = None,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -312,8 +320,8 @@ class AccumModel(_Trainer, keras.Model):
                 Micro-batches per optimizer update. Defaults to `1`.
             partial_window: `"apply"` or `"carry"`, as for `AccumModel`.
                 Defaults to `"apply"`.
-            micro_batch_size: None or an integer >= 1, as for
-                `AccumModel`. Defaults to `None`.
+            micro_batch_size: None, an integer >= 1, `"auto"` or an
+                `AutoMicroBatch`, as for `AccumModel`. Defaults to `None`.
 
         Returns:
             An `AccumModel` (uncompiled) computing what `model` computes.
@@ -404,16 +412,19 @@ class AccumModel(_Trainer, keras.Model):
         return read_int(self._window.counters.window_length)
 
     @property
-    def micro_batch_size(self) -> int | None:
+    def micro_batch_size(self) -> int | AutoMicroBatch | None:
         """The size each batch `fit` is given is split into, or None.
 
         With it, each batch is one update (one window), split inside the
-        train step into micro-batches of at most this many samples.
-        Setting it applies from the next step (and retraces the step)."""
+        train step into micro-batches of at most this many samples; an
+        `AutoMicroBatch` where it is chosen (`"auto"`). Setting it applies
+        from the next step (and retraces the step)."""
         return self._micro_batch_size
 
     @micro_batch_size.setter
-    def micro_batch_size(self, value: int | None) -> None:
+    def micro_batch_size(
+        self, value: int | str | AutoMicroBatch | None
+    ) -> None:
         value = check_micro_batch_size(value)
         check_split_mode(self._accum_steps, value)
         if value != self._micro_batch_size:
@@ -425,6 +436,19 @@ class AccumModel(_Trainer, keras.Model):
                     f"micro_batch_size={value!r}"
                 )
             self._configure(micro_batch_size=value, traced=True)
+
+    @property
+    def micro_batch_choices(self) -> list[dict]:
+        """The micro-batch sizes chosen since `compile`, oldest first.
+
+        One dict per choice: `"step"` (`"train"`, `"test"` or
+        `"predict"`), `"batch_size"`, `"micro_batch_size"`, `"reason"`
+        (`"auto"`, or `"out of memory"` for a shrink after an
+        out-of-memory error), `"predicted_peak"` and `"budget"` (bytes;
+        None where not predicted), `"measured_by"` (the figures the peak
+        comes from) and `"probes"` (the sizes measured). Empty with an int
+        `micro_batch_size` that never ran out of memory."""
+        return [dict(c) for c in self._life.split.choices]
 
     @property
     def partial_window(self) -> str:
@@ -637,7 +661,11 @@ class AccumModel(_Trainer, keras.Model):
         config = {
             "accum_steps": serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
-            "micro_batch_size": self._micro_batch_size,
+            "micro_batch_size": (
+                keras.saving.serialize_keras_object(self._micro_batch_size)
+                if isinstance(self._micro_batch_size, AutoMicroBatch)
+                else self._micro_batch_size
+            ),
         }
         return {**super().get_config(), **config}
 
@@ -649,6 +677,10 @@ class AccumModel(_Trainer, keras.Model):
         )
         partial_window = config.pop("partial_window", "apply")
         micro_batch_size = config.pop("micro_batch_size", None)
+        if isinstance(micro_batch_size, dict):
+            micro_batch_size = keras.saving.deserialize_keras_object(
+                micro_batch_size, custom_objects=custom_objects
+            )
         # Keras revives functional and subclassed models differently; both
         # paths get a model built with the defaults, set here after.
         model = super().from_config(config, custom_objects=custom_objects)
