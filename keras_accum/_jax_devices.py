@@ -75,6 +75,17 @@ def batch_axis(weights=()) -> BatchAxis | None:
     return BatchAxis(mesh, name, size)
 
 
+def data_shards() -> int:
+    """How many parts the distribution splits a batch into along its
+    batch axis (1 without a distribution): each device's rows are a
+    contiguous block of the global batch."""
+    distribution = keras.distribution.distribution()
+    name = getattr(distribution, "batch_dim_name", None)
+    if name is None:
+        return 1
+    return int(dict(distribution.device_mesh.backend_mesh.shape).get(name, 1))
+
+
 def _sharded_over(weight, name: str) -> bool:
     layout = _compat.variable_layout(weight)
     for axis in getattr(layout, "axes", None) or ():

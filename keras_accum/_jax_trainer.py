@@ -123,18 +123,26 @@ class JaxAccumTrainer(AccumTrainer):
         # `fori_loop` (one traced step, whose activations do not outlive
         # an iteration), the last (maybe shorter) after it; it closes the
         # window, one update for the batch.
-        batch_size, count, size = self._split_sizes(data, "train")
+        batch_size, local, count, size, shards = self._split_sizes(
+            data, "train"
+        )
         self._life.split_length = count
         try:
 
             def one(i, state):
-                piece = _piece(data, i * size, size)
-                return self._micro_batch_step(state, piece, track=False)[1]
+                # Never the window's last: no close in the loop's body
+                # (one conditional update, and one all-reduce, in the
+                # compiled step).
+                piece = _piece(data, i * size, size, shards)
+                step = self._micro_batch_step(
+                    state, piece, track=False, closes=False
+                )
+                return step[1]
 
             if count > 1:
                 state = jax.lax.fori_loop(0, count - 1, one, state)
             start = (count - 1) * size
-            last = _piece(data, start, batch_size - start)
+            last = _piece(data, start, local - start, shards)
             _, state = self._micro_batch_step(state, last, track=False)
         finally:
             self._life.split_length = None
@@ -145,12 +153,12 @@ class JaxAccumTrainer(AccumTrainer):
             return super().test_step(state, data)
         # The batch, split as in `train_step`: the loss is the batch's,
         # tracked once; the metrics add each micro-batch up.
-        batch_size, count, size = self._split_sizes(data, "test")
+        batch_size, local, count, size, shards = self._split_sizes(data, "test")
         zero = jax.numpy.zeros((), "float32")
 
         def one(i, carried):
             state, term, normalizer = carried
-            piece = _piece(data, i * size, size)
+            piece = _piece(data, i * size, size, shards)
             state, share, _ = self._evaluated(state, piece)
             return state, term + share[0], normalizer + share[1]
 
@@ -158,7 +166,8 @@ class JaxAccumTrainer(AccumTrainer):
         if count > 1:
             carried = jax.lax.fori_loop(0, count - 1, one, carried)
         state, term, normalizer = carried
-        last = _piece(data, (count - 1) * size, batch_size - (count - 1) * size)
+        start = (count - 1) * size
+        last = _piece(data, start, local - start, shards)
         state, share, reg = self._evaluated(state, last)
         loss = self._evaluated_loss(term + share[0], normalizer + share[1], reg)
         trainable, non_trainable, metrics = state
@@ -207,7 +216,7 @@ class JaxAccumTrainer(AccumTrainer):
     def predict_step(self, state, data):
         if self._micro_batch_size is None:
             return super().predict_step(state, data)
-        batch_size, count, size = self._split_sizes(data, "predict")
+        _, local, count, size, shards = self._split_sizes(data, "predict")
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         trainable, non_trainable = state
         kwargs = {}
@@ -221,7 +230,7 @@ class JaxAccumTrainer(AccumTrainer):
 
         def one(non_trainable, i):
             outputs, non_trainable = predicted(
-                non_trainable, _piece(x, i * size, size)
+                non_trainable, _piece(x, i * size, size, shards)
             )
             return non_trainable, outputs
 
@@ -231,36 +240,30 @@ class JaxAccumTrainer(AccumTrainer):
                 one, non_trainable, jax.numpy.arange(count - 1)
             )
         last, non_trainable = predicted(
-            non_trainable, _piece(x, start, batch_size - start)
+            non_trainable, _piece(x, start, local - start, shards)
         )
         if count > 1:
             last = keras.tree.map_structure(
-                lambda s, o: jax.numpy.concatenate(
-                    [s.reshape((-1, *s.shape[2:])), o]
-                ),
-                stacked,
-                last,
+                lambda s, o: _joined(s, o, shards), stacked, last
             )
         return last, non_trainable
 
     def _split_sizes(self, data, kind):
-        """`(batch size, micro-batches, micro-batch size)` of a batch."""
-        if keras.distribution.distribution() is not None:
-            # Each device must split its own shard (not the global batch's
-            # rows, which live on one device): not built yet.
-            raise NotImplementedError(
-                "`micro_batch_size` does not yet run under a "
-                "`keras.distribution` on JAX. Use `accum_steps` there, or "
-                "train without a distribution. Received: "
-                f"micro_batch_size={self._micro_batch_size!r}, "
-                f"distribution={keras.distribution.distribution()!r}"
-            )
+        """`(batch size, each device's rows, micro-batches, size, devices)`
+        of a batch a step of `kind` splits. Under a `keras.distribution`
+        each device splits its own rows (the batch's shards along the
+        batch axis) into micro-batches of `size`: a micro-batch takes as
+        many rows from every device and stays where its rows are."""
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         batch_size = next(
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
+        shards = _jax_devices.data_shards()
+        # Keras's distribution refuses a batch its devices cannot share
+        # evenly before the step.
+        local = batch_size // shards
         size = self._split_size(kind)
-        return batch_size, self._split_count(batch_size, size), size
+        return batch_size, local, self._split_count(local, size), size, shards
 
     # -- Sizing the split (`_sizing.py`) -------------------------------------
 
@@ -406,7 +409,7 @@ class JaxAccumTrainer(AccumTrainer):
         metrics = _current_values(scope, self.metrics_variables)
         return logs, (trainable, non_trainable, optimizer_and_window, metrics)
 
-    def _micro_batch_step(self, state, data, track=True):
+    def _micro_batch_step(self, state, data, track=True, closes=True):
         # Unpack: the window's values ride after the optimizer's.
         trainable, non_trainable, optimizer_and_window, metrics = state
         count = len(self.optimizer.variables)
@@ -439,10 +442,13 @@ class JaxAccumTrainer(AccumTrainer):
         counters, complete = _window.accumulate(
             counters, backend, out.grads, out.share, self._plan(updates)
         )
-        counters, applied = _window.close(
-            counters, backend, complete, self._jax_close_policy(backend)
-        )
-        non_trainable = self._run_close_hooks(non_trainable, applied, complete)
+        if closes:
+            counters, applied = _window.close(
+                counters, backend, complete, self._jax_close_policy(backend)
+            )
+            non_trainable = self._run_close_hooks(
+                non_trainable, applied, complete
+            )
 
         # Metrics.
         if track:
@@ -682,9 +688,33 @@ def _current_values(scope, variables):
     return values
 
 
-def _piece(data, start, size):
+def _piece(data, start, size, shards=1):
     """`size` samples from `start` (an int or a traced index) of every
-    array in `data`."""
-    return keras.tree.map_structure(
-        lambda t: jax.lax.dynamic_slice_in_dim(t, start, size), data
-    )
+    array in `data`; with `shards` > 1, of each shard's rows (the batch
+    seen as `shards` blocks along its first axis), joined: what each
+    device holds of the batch, sliced where it is."""
+
+    def sliced(t):
+        if shards == 1:
+            return jax.lax.dynamic_slice_in_dim(t, start, size)
+        blocks = t.reshape((shards, t.shape[0] // shards, *t.shape[1:]))
+        piece = jax.lax.dynamic_slice_in_dim(blocks, start, size, axis=1)
+        return piece.reshape((shards * size, *t.shape[1:]))
+
+    return keras.tree.map_structure(sliced, data)
+
+
+def _joined(stacked, last, shards):
+    """The outputs of a split batch in its rows' order: `stacked`, the
+    loop's (one row per micro-batch, each `_piece`'s rows), then `last`."""
+    if shards == 1:
+        return jax.numpy.concatenate(
+            [stacked.reshape((-1, *stacked.shape[2:])), last]
+        )
+    features = last.shape[1:]
+    # (micro-batches, devices, rows) to (devices, micro-batches, rows).
+    loop = stacked.reshape((stacked.shape[0], shards, -1, *features))
+    loop = jax.numpy.swapaxes(loop, 0, 1).reshape((shards, -1, *features))
+    tail = last.reshape((shards, -1, *features))
+    joined = jax.numpy.concatenate([loop, tail], axis=1)
+    return joined.reshape((-1, *features))

@@ -193,7 +193,9 @@ class AccumModel(_Trainer, keras.Model):
             given is one update, split inside the train step into
             micro-batches of at most this many samples (`evaluate` and
             `predict` split the same way); `fit` then equals
-            `keras.Model.fit` at that batch. `"auto"` picks the largest
+            `keras.Model.fit` at that batch. The size is per device: each
+            replica or device splits its own part of the batch.
+            `"auto"` picks the largest
             size whose step fits the device's memory (see
             `AutoMicroBatch`). With either, a train step that runs out of
             memory (TensorFlow's `ResourceExhaustedError`, JAX's

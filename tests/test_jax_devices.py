@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from _helpers import (
     LargeBatch,
+    UpdateRecorder,
     accum_mlp,
     assert_equivalent,
     batch_norm_data,
@@ -516,3 +517,84 @@ def test_weights_sharded_over_the_batch_axis_keep_their_layout(report_diff):
             assert acc.value.sharding == weight.value.sharding
     finally:
         keras.distribution.set_distribution(None)
+
+
+# -- A batch split inside the step (`micro_batch_size`) ------------------------
+#
+# Each device splits its own rows of the batch: a micro-batch takes as many
+# rows from every device, and the window closes once per batch, with one
+# gradient all-reduce.
+
+SPLIT_CASES = ("mean", "sample_weight", "sum_with_regularization", "loss_scale")
+
+
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_split_batches_equal_plain_model_under_data_parallel(
+    name, data_parallel, report_diff
+):
+    """Batches of 16 (8 rows a device: micro-batches of 3, 3 and 2) and a
+    last of 6 (3 a device: one micro-batch)."""
+    case = CASES[name]
+    x, y = regression_data(n=70)
+    loss = case.get("loss", "mse")
+    plain = case["make"]()
+    plain.compile(optimizer=_optimizer(case), loss=loss, metrics=["mae"])
+    split = case["make"](keras_accum.AccumModel, micro_batch_size=3)
+    split.compile(optimizer=_optimizer(case), loss=loss, metrics=["mae"])
+    split.set_weights(plain.get_weights())
+    fit_kwargs = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    if case.get("sample_weight"):
+        rng = np.random.default_rng(4)
+        fit_kwargs["sample_weight"] = rng.uniform(0.1, 2, size=len(x))
+    reference = LargeBatch(plain)
+    recorder = UpdateRecorder()
+    expected = reference.fit(x, y, **fit_kwargs)
+    history = split.fit(x, y, callbacks=[recorder], **fit_kwargs)
+    assert len(recorder.updates) == 10
+    for index, (_, weights) in enumerate(recorder.updates):
+        diff = assert_equivalent(weights, reference, update=index)
+    report_diff(diff, f"JAX DataParallel, micro_batch_size, {name}")
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(
+            history.history[key], expected.history[key], rtol=1e-5
+        )
+    # Each device's partial sum, as in the classic mode.
+    for acc, weight in zip(
+        split.accumulators, split.trainable_variables, strict=True
+    ):
+        assert tuple(acc.shape) == (2, *weight.shape)
+
+
+def test_split_evaluate_and_predict_equal_plain_under_data_parallel(
+    data_parallel,
+):
+    x, y = regression_data(n=70)
+    plain = mlp()
+    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    split = mlp(keras_accum.AccumModel, micro_batch_size=3)
+    split.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    split.set_weights(plain.get_weights())
+    np.testing.assert_allclose(
+        split.evaluate(x, y, batch_size=16, verbose=0),
+        plain.evaluate(x, y, batch_size=16, verbose=0),
+        rtol=1e-6,
+    )
+    # The rows come back in the batch's order.
+    np.testing.assert_allclose(
+        split.predict(x, batch_size=16, verbose=0),
+        plain.predict(x, batch_size=16, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_split_step_all_reduces_the_gradient_once_per_batch(data_parallel):
+    split = mlp(keras_accum.AccumModel, micro_batch_size=2)
+    split.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    gradient = 4 * sum(int(np.prod(w.shape)) for w in split.trainable_weights)
+    # Batches of 16: 8 rows a device, micro-batches of 2, 4 of them.
+    found = _step_bytes(split, 16)
+    # The micro-batches: the loss's share and the logged loss as scalars.
+    assert found["every_step"] <= 64, found
+    # At the close: the gradient once (and the finiteness flag).
+    assert gradient <= found["in_branches"] <= gradient + 16, found

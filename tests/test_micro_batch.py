@@ -407,25 +407,3 @@ def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
     assert int(resumed.optimizer.iterations) == 9
     for a, b in zip(whole.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="keras.distribution is JAX's"
-)
-def test_a_jax_distribution_is_refused_loudly_not_split_wrongly():
-    import jax
-
-    x, y = regression_data(n=N)
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices())
-    )
-    try:
-        model = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
-        match = r"does not yet run under a `keras.distribution`.*Received"
-        with pytest.raises(NotImplementedError, match=match):
-            model.fit(x, y, batch_size=B, epochs=1, verbose=0)
-        fresh = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
-        with pytest.raises(NotImplementedError, match=match):
-            fresh.evaluate(x, y, batch_size=B, verbose=0)
-    finally:
-        keras.distribution.set_distribution(None)
