@@ -302,11 +302,18 @@ def test_jax_split_step_holds_a_micro_batch_not_the_batch():
 
 
 @pytest.mark.tensorflow_only(reason="TensorFlow's allocator statistics")
-def test_tensorflow_graph_split_step_holds_a_micro_batch_not_the_batch():
-    """The same on TensorFlow's graph step, from the allocator's peak over
-    a `fit` (measured: small 2.8 P, split 2.0 P, large 3.9-4.8 P; the
-    `tf.while_loop` frees each micro-batch's activations). Under XLA the
-    loop holds more (4.6 P): see the guide."""
+@pytest.mark.parametrize(
+    "jit_compile, more", [(False, 0.5), (True, 1.25)], ids=["graph", "xla"]
+)
+def test_tensorflow_split_step_holds_a_micro_batch_not_the_batch(
+    jit_compile, more
+):
+    """The same on TensorFlow's step, from the allocator's peak over a
+    `fit`. Graph (measured): small 2.8 P, split 2.0 P, large 3.9-4.8 P;
+    the `tf.while_loop` frees each micro-batch's activations. XLA: small
+    1.0 P, split 2.1 P (XLA carries the accumulators through the loop as
+    values: about one copy more), large 4.9 P. XLA before the loop ran
+    one micro-batch at a time, the last after it: split 4.6 P."""
     import tensorflow as tf
 
     x, y = activation_data(2048)
@@ -322,7 +329,7 @@ def test_tensorflow_graph_split_step_holds_a_micro_batch_not_the_batch():
         ),
     ):
         model = build()
-        _compile(model, jit_compile=False)
+        _compile(model, jit_compile=jit_compile)
         model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)
         tf.config.experimental.reset_memory_stats("CPU:0")
         held = info("CPU:0")["current"]
@@ -330,5 +337,5 @@ def test_tensorflow_graph_split_step_holds_a_micro_batch_not_the_batch():
         measured[name] = info("CPU:0")["peak"] - held
         p = _parameter_bytes(model)
         del model
-    assert measured["split"] <= measured["small"] + 0.5 * p
+    assert measured["split"] <= measured["small"] + more * p
     assert measured["large"] >= 1.5 * measured["split"]
