@@ -299,3 +299,20 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
     # Timed: each variant against the plain model of the same run.
     assert plain["ratio_to_plain"] == 1.0
     assert all(r["ratio_to_plain"] > 0 for r in rows.values())
+
+
+def test_auto_micro_batch_script_smoke(tmp_path):
+    out = tmp_path / "auto_micro_batch.json"
+    _script(
+        "bench_auto_micro_batch.py",
+        "--backends=jax",
+        "--models=mlp",
+        "--batch=32",
+        "--pairs=4:32",
+        f"--out={out}",
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    # JAX's figures are exact: the size chosen fits, the next does not.
+    assert 4 <= row["chosen"] < 32
+    assert row["predicted_peak"] == row["measured_at_chosen"] <= row["limit"]
+    assert row["measured_at_next"] > row["limit"]

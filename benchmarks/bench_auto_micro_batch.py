@@ -1,0 +1,234 @@
+"""`micro_batch_size="auto"`: the size it picks under a memory limit, the
+peak it predicts, and the peaks measured apart from the search.
+
+Each backend (TensorFlow, JAX; PyTorch refuses "auto" on a CPU) runs in
+its own process. For each benchmark model at batch `--batch`, limits are
+set between the peaks measured at two sizes (`--pairs`, e.g. 8 and 16:
+halfway), then `AutoMicroBatch(memory_limit=limit, margin=0)` picks a
+size. Reported per limit: the size picked, the peak it predicted, the
+peaks measured at that size and the next one (the next should be above
+the limit), the sizes the search measured, and the CPU seconds of the
+first epoch (with the search) against the next. Every figure comes from
+a fresh process: peaks are absolute, and TensorFlow keeps about 9 MiB of
+every model a process fits.
+
+The measurements are those of the tests (tests/test_auto_micro_batch.py):
+JAX, the compiled train step's `memory_analysis()` (arguments + outputs
+not aliased + temporaries); TensorFlow, the allocator's peak over `fit`'s
+second step (`TF_CPU_ALLOCATOR_USE_BFC=true`).
+
+    python benchmarks/bench_auto_micro_batch.py
+    python benchmarks/bench_auto_micro_batch.py --backends=jax --models=mlp
+
+Results go to benchmarks/results/auto_micro_batch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _workers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args):
+    """One task in a fresh process (peaks are absolute, and TensorFlow
+    keeps about 9 MiB of every model a process fits, `keras.Model` too):
+    `peak` (`--size`: the measured peak at that int size) or `auto`
+    (`--limit`: the choice, and the first epoch's CPU seconds with the
+    search and at the size chosen)."""
+    import keras
+    import numpy as np
+    from _variants import MODELS
+
+    import keras_accum
+
+    backend = keras.backend.backend()
+    batch = args.batch
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    inputs, outputs, shape, classes = MODELS[args.models]()
+    rng = np.random.default_rng(0)
+    x = rng.random((3 * batch, *shape), dtype=np.float32)
+    y = rng.integers(0, classes, size=3 * batch)
+
+    def build(size):
+        keras.utils.set_random_seed(0)
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=size)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        return model
+
+    if args.task == "auto":
+        auto = keras_accum.AutoMicroBatch(memory_limit=args.limit, margin=0.0)
+        model = build(auto)
+        start = time.process_time()
+        try:
+            model.fit(x, y, batch_size=batch, verbose=0)
+        except RuntimeError as error:  # Not even 1 fits, by its figures.
+            return [{"micro_batch_size": None, "error": str(error)}]
+        with_search = time.process_time() - start
+        start = time.process_time()
+        model.fit(x, y, batch_size=batch, verbose=0)
+        (choice,) = model.micro_batch_choices
+        return [
+            {
+                **choice,
+                "first_epoch_cpu_s": with_search,
+                "next_epoch_cpu_s": time.process_time() - start,
+            }
+        ]
+    model = build(args.size)
+    if backend == "jax":
+        import jax
+
+        model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        step = jax.jit(model.train_step, donate_argnums=0)
+        data = (x[:batch], y[:batch])
+        found = step.lower(state, data).compile().memory_analysis()
+        return [
+            found.argument_size_in_bytes
+            + found.output_size_in_bytes
+            - found.alias_size_in_bytes
+            + found.temp_size_in_bytes
+        ]
+    import tensorflow as tf
+
+    class Second(keras.callbacks.Callback):
+        def on_train_batch_begin(self, index, logs=None):
+            if index == 1:
+                tf.config.experimental.reset_memory_stats("CPU:0")
+
+        def on_train_batch_end(self, index, logs=None):
+            if index == 1:
+                info = tf.config.experimental.get_memory_info("CPU:0")
+                self.peak = info["peak"]
+
+    second = Second()
+    model.fit(x, y, batch_size=batch, verbose=0, callbacks=[second])
+    return [second.peak]
+
+
+def _task(args, backend, model, task, **values):
+    args = argparse.Namespace(
+        **{**vars(args), "models": model, "task": task, **values}
+    )
+    options = ("models", "batch", "task", *values)
+    return _workers.run_worker(__file__, backend, args, options)[0]
+
+
+def _rows(args, backend):
+    rows = []
+    pairs = [tuple(int(s) for s in p.split(":")) for p in args.pairs.split(",")]
+    for model in args.models.split(","):
+
+        def peak(size, model=model):
+            return _task(args, backend, model, "peak", size=size)
+
+        for low, high in pairs:
+            limit = (peak(low) + peak(high)) // 2
+            choice = _task(args, backend, model, "auto", limit=limit)
+            chosen = choice["micro_batch_size"]
+            if chosen is None:
+                rows.append(
+                    {
+                        "backend": backend,
+                        "model": model,
+                        "batch": args.batch,
+                        "between": [low, high],
+                        "limit": limit,
+                        "chosen": None,
+                        "error": choice["error"],
+                    }
+                )
+                continue
+            above = peak(chosen + 1) if chosen < args.batch else None
+            rows.append(
+                {
+                    "backend": backend,
+                    "model": model,
+                    "batch": args.batch,
+                    "between": [low, high],
+                    "limit": limit,
+                    "chosen": chosen,
+                    "predicted_peak": choice["predicted_peak"],
+                    "measured_at_chosen": peak(chosen),
+                    "measured_at_next": above,
+                    "probes": choice["probes"],
+                    "measured_by": choice["measured_by"],
+                    "first_epoch_cpu_s": choice["first_epoch_cpu_s"],
+                    "next_epoch_cpu_s": choice["next_epoch_cpu_s"],
+                }
+            )
+    return rows
+
+
+def _parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="tensorflow,jax")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument(
+        "--pairs",
+        default="16:256,256:1024",
+        help="sizes LOW:HIGH whose measured peaks the limit lies halfway "
+        "between, comma-separated",
+    )
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/auto_micro_batch.json")
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--task", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    args = _parser().parse_args()
+    if args.worker:
+        _workers.print_rows(worker(args))
+        return
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    rows = []
+    for backend in args.backends.split(","):
+        rows.extend(_rows(args, backend))
+    _workers.write_report(
+        args.out, rows, rounds=1, batch=args.batch, pairs=args.pairs
+    )
+    print(
+        f"{'backend':11} {'model':5} {'limit MiB':>9} {'chosen':>6} "
+        f"{'predicted':>9} {'at chosen':>9} {'at next':>8} {'probes':>6} "
+        f"{'epoch CPU s: first / next':>26}"
+    )
+    for r in rows:
+        mib = 2**20
+        if r["chosen"] is None:
+            print(
+                f"{r['backend']:11} {r['model']:5} {r['limit'] / mib:9.2f}"
+                f"  refused: {r['error'][:60]}"
+            )
+            continue
+        nxt = r["measured_at_next"]
+        print(
+            f"{r['backend']:11} {r['model']:5} {r['limit'] / mib:9.2f} "
+            f"{r['chosen']:6d} {r['predicted_peak'] / mib:9.2f} "
+            f"{r['measured_at_chosen'] / mib:9.2f} "
+            f"{(nxt or 0) / mib:8.2f} {r['probes']:6d} "
+            f"{r['first_epoch_cpu_s']:13.2f} / {r['next_epoch_cpu_s']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
