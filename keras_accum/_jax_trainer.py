@@ -280,6 +280,10 @@ class JaxAccumTrainer(AccumTrainer):
     def _split_outputs(self, outputs, state):
         return outputs, state
 
+    def _split_batch_size(self, batch) -> int:
+        # Each device splits its own rows (`_split_sizes`).
+        return super()._split_batch_size(batch) // _jax_devices.data_shards()
+
     def _batch_signature(self, batch):
         # Every shape of batch is compiled, and so sized, on its own.
         return tuple(

@@ -439,6 +439,16 @@ class TensorFlowAccumTrainer(AccumTrainer):
         may change is copied to the host first and restored after."""
         del state
         strategy = self.distribute_strategy
+        if _multi_worker(strategy):
+            # Each worker would measure its own devices and could trace a
+            # step of another size than the others: their exchanges of
+            # gradients would not match.
+            raise NotImplementedError(
+                '`micro_batch_size="auto"` does not run under '
+                "MultiWorkerMirroredStrategy: the workers would size their "
+                "steps apart. Give an int (the same on every worker). "
+                f"Received: micro_batch_size={self._micro_batch_size!r}"
+            )
         variables = [
             *self.variables,
             *self.optimizer.variables,

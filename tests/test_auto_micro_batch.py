@@ -272,8 +272,13 @@ def test_auto_sizes_evaluate_and_predict_run_first():
     )
     steps = [c["step"] for c in model.micro_batch_choices]
     assert steps == ["test", "predict"]
-    # Evaluation keeps no gradients: at least the train step's size fits.
-    assert all(c["micro_batch_size"] >= 4 for c in model.micro_batch_choices)
+    for choice in model.micro_batch_choices:
+        assert choice["predicted_peak"] <= choice["budget"] == peak
+        if BACKEND == "jax":
+            # Evaluation keeps no gradients: at least the train step's
+            # size fits. (TensorFlow's absolute peaks also count what
+            # the models before this one in the process left.)
+            assert choice["micro_batch_size"] >= 4
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch on a CPU only")
