@@ -256,6 +256,14 @@ def created_trainable_ids(model) -> set:
     }
 
 
+def torch_device() -> str:
+    """The device Keras's PyTorch backend puts tensors on ("cuda", "cpu",
+    ...)."""
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()
+
+
 def seed_generators(layer) -> list:
     """The random number generators a layer draws from."""
     return list(layer._seed_generators)

@@ -6,18 +6,19 @@ functions goes through a `SplitFunction`. Before a step runs on a batch it
 makes sure that step's micro-batch size is known (`SplitSizes`): an int
 setting is the size; an `AutoMicroBatch` has `search` find the largest
 size whose step's peak fits the budget, from figures the backend measures
-(`model._step_peak`: JAX's compiled memory analysis, the allocator's peak
-of a probe step elsewhere). A train step that raises the backend's
+(`model._probing`: JAX's compiled memory analysis, the allocator's peak of
+probe steps elsewhere). A train step that raises the backend's
 out-of-memory error is undone (`model._split_snapshot` /
 `_split_restore`: what the micro-batches write before the window closes)
 and redone on the same batch at half the size.
 
 The backends supply small hooks, each with its own calling convention for
-Keras's functions: `_split_batches(args)` (the state and an iterator of
-batches), `_split_args(state, batches)` (the inverse), `_split_outputs`,
-`_batch_signature`, `_step_peak`, `_device_memory`, `_out_of_memory`,
-`_split_snapshot`, `_split_restore`, `_split_give_up`, `_sizing_method`
-and `_probing`.
+Keras's functions: `_split_batches(kind, args)` (the state and an
+iterator of batches), `_split_args(kind, state, batches)` (the inverse),
+`_split_result`, `_split_outputs`, `_batch_signature`, `_device_memory`,
+`_sizing_method`, `_probing`, `_out_of_memory`, `_split_snapshot`,
+`_split_restore` and `_split_give_up`; `AccumTrainer` has defaults for
+the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from keras_accum.auto import AutoMicroBatch
 
 logger = logging.getLogger("keras_accum")
 
-KINDS = ("train", "test", "predict")
 # The probes one search may run: a line needs two; each later probe at
 # least halves the sizes left between the largest known to fit and the
 # smallest known not to.

@@ -472,21 +472,8 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
             if not self.run_eagerly:
                 probe = tf.function(probe, jit_compile=bool(self.jit_compile))
-            try:
-                # Twice: the first run holds one-time buffers (its trace's
-                # constants, kernels' caches); the second is every step's.
-                for _ in range(2):
-                    for device in devices:
-                        tf.config.experimental.reset_memory_stats(device)
-                    tf.nest.map_structure(
-                        lambda t: t.numpy() if hasattr(t, "numpy") else t,
-                        strategy.experimental_local_results(probe(batch)),
-                    )
-            except tf.errors.ResourceExhaustedError:
-                return None
-            info = tf.config.experimental.get_memory_info
-            peak = max(info(device)["peak"] for device in devices)
-            if not peak:
+            peak = _allocator_peak(probe, batch, strategy, devices)
+            if peak == 0:
                 raise ValueError(
                     '`micro_batch_size="auto"` needs the allocator\'s '
                     "figures, and TensorFlow's CPU allocator keeps none "
@@ -555,6 +542,25 @@ def _multi_worker(strategy) -> bool:
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and _compat.in_multi_worker_mode(strategy)
+
+
+def _allocator_peak(probe, batch, strategy, devices):
+    """The allocator's peak over `probe(batch)`, the largest of `devices`'
+    (0 where the allocator keeps no figures); None if it ran out of
+    memory. Run twice: the first run holds one-time buffers (its trace's
+    constants, kernels' caches); the second is every step's."""
+    try:
+        for _ in range(2):
+            for device in devices:
+                tf.config.experimental.reset_memory_stats(device)
+            tf.nest.map_structure(
+                lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                strategy.experimental_local_results(probe(batch)),
+            )
+    except tf.errors.ResourceExhaustedError:
+        return None
+    info = tf.config.experimental.get_memory_info
+    return max(info(device)["peak"] for device in devices)
 
 
 class _RetracingFilter(logging.Filter):

@@ -156,7 +156,7 @@ class TorchAccumTrainer(AccumTrainer):
         return state
 
     def _cuda_device(self):
-        device = torch.device(keras.src.backend.torch.core.get_device())
+        device = torch.device(_compat.torch_device())
         return device if device.type == "cuda" else None
 
     def _sizing_method(self):
@@ -170,7 +170,7 @@ class TorchAccumTrainer(AccumTrainer):
                 "which PyTorch has on CUDA devices only: on a CPU give an "
                 "int, e.g. `micro_batch_size=32`. Received: "
                 f"micro_batch_size={self._micro_batch_size!r} on "
-                f"{keras.src.backend.torch.core.get_device()}"
+                f"{_compat.torch_device()}"
             )
         return torch.cuda.mem_get_info(device)[1], f"{device}'s total memory"
 
