@@ -49,6 +49,7 @@ def worker(args):
     from _variants import MODELS
 
     import keras_accum
+    from keras_accum import _sizing
 
     backend = keras.backend.backend()
     batch = args.batch
@@ -97,12 +98,7 @@ def worker(args):
         step = jax.jit(model.train_step, donate_argnums=0)
         data = (x[:batch], y[:batch])
         found = step.lower(state, data).compile().memory_analysis()
-        return [
-            found.argument_size_in_bytes
-            + found.output_size_in_bytes
-            - found.alias_size_in_bytes
-            + found.temp_size_in_bytes
-        ]
+        return [_sizing.compiled_peak(found)]
     import tensorflow as tf
 
     class Second(keras.callbacks.Callback):
@@ -140,28 +136,21 @@ def _rows(args, backend):
             limit = (peak(low) + peak(high)) // 2
             choice = _task(args, backend, model, "auto", limit=limit)
             chosen = choice["micro_batch_size"]
+            row = {
+                "backend": backend,
+                "model": model,
+                "batch": args.batch,
+                "between": [low, high],
+                "limit": limit,
+                "chosen": chosen,
+            }
             if chosen is None:
-                rows.append(
-                    {
-                        "backend": backend,
-                        "model": model,
-                        "batch": args.batch,
-                        "between": [low, high],
-                        "limit": limit,
-                        "chosen": None,
-                        "error": choice["error"],
-                    }
-                )
+                rows.append({**row, "error": choice["error"]})
                 continue
             above = peak(chosen + 1) if chosen < args.batch else None
             rows.append(
                 {
-                    "backend": backend,
-                    "model": model,
-                    "batch": args.batch,
-                    "between": [low, high],
-                    "limit": limit,
-                    "chosen": chosen,
+                    **row,
                     "predicted_peak": choice["predicted_peak"],
                     "measured_at_chosen": peak(chosen),
                     "measured_at_next": above,

@@ -362,12 +362,10 @@ class JaxAccumTrainer(AccumTrainer):
         donates them, and the batch), outputs not aliased to them, and
         temporaries. Compiles; runs nothing."""
         step = getattr(self, f"{kind}_step")
-        split = self._life.split
-        active = split.active.get(kind)
         donate = () if kind == "predict" else (0,)
 
         def measure(size):
-            split.active[kind] = size
+            set_size(size)
 
             # A new function each time: `jax.jit` caches a trace by the
             # function, and the size is read while tracing.
@@ -384,21 +382,10 @@ class JaxAccumTrainer(AccumTrainer):
                 if self._out_of_memory(error):
                     return None
                 raise
-            found = compiled.memory_analysis()
-            return (
-                found.argument_size_in_bytes
-                + found.output_size_in_bytes
-                - found.alias_size_in_bytes
-                + found.temp_size_in_bytes
-            )
+            return _sizing.compiled_peak(compiled.memory_analysis())
 
-        try:
+        with self._sizes_probed(kind) as set_size:
             yield measure
-        finally:
-            if active is None:
-                split.active.pop(kind, None)
-            else:
-                split.active[kind] = active
 
     def _tracked_batch_loss(self, state, batch_size):
         """`(logs, state)` with the split batch's loss in the running mean

@@ -158,6 +158,18 @@ def _line_guess(peaks, low, high, budget) -> int:
     return guess
 
 
+def compiled_peak(analysis) -> int:
+    """The bytes a compiled XLA step holds at its peak, from its
+    `memory_analysis()`: arguments, outputs not aliased to them (donated
+    buffers reused), and temporaries."""
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
 def host_available_memory() -> int | None:
     """Bytes the host can still give (`MemAvailable`), or None."""
     try:

@@ -461,11 +461,9 @@ class TensorFlowAccumTrainer(AccumTrainer):
         kept = [np.array(part.numpy(), copy=True) for part in parts]
         devices = sorted({f"{d}:{i}" for d, i in self._replica_devices()})
         step = getattr(self, f"{kind}_step")
-        split = self._life.split
-        active = split.active.get(kind)
 
         def measure(size):
-            split.active[kind] = size
+            set_size(size)
 
             def probe(data):
                 return strategy.run(step, args=(data,))
@@ -488,13 +486,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
         quiet = _RetracingFilter()
         tf.get_logger().addFilter(quiet)
         try:
-            yield measure
+            with self._sizes_probed(kind) as set_size:
+                yield measure
         finally:
             tf.get_logger().removeFilter(quiet)
-            if active is None:
-                split.active.pop(kind, None)
-            else:
-                split.active[kind] = active
             for part, value in zip(parts, kept, strict=True):
                 part.assign(value)
 

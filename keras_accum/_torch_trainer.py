@@ -192,11 +192,9 @@ class TorchAccumTrainer(AccumTrainer):
         ]
         kept = [_compat.backing_value(v).detach().cpu() for v in variables]
         step = getattr(self, f"{kind}_step")
-        split = self._life.split
-        active = split.active.get(kind)
 
         def measure(size):
-            split.active[kind] = size
+            set_size(size)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             try:
@@ -208,12 +206,9 @@ class TorchAccumTrainer(AccumTrainer):
             return torch.cuda.max_memory_allocated(device)
 
         try:
-            yield measure
+            with self._sizes_probed(kind) as set_size:
+                yield measure
         finally:
-            if active is None:
-                split.active.pop(kind, None)
-            else:
-                split.active[kind] = active
             with torch.no_grad():
                 for variable, value in zip(variables, kept, strict=True):
                     _assign_in_place(variable, value.to(device))

@@ -13,6 +13,7 @@ the window at epoch boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any
@@ -460,6 +461,24 @@ class AccumTrainer:
         # None before a model that builds only on real data first runs.
         window = [] if self._window is None else self._window.counters.flat()
         return [*self.metrics_variables, *state, *window]
+
+    @contextlib.contextmanager
+    def _sizes_probed(self, kind):
+        """Yields `set_size(size)`, which makes the step of `kind` trace at
+        `size`; the size in force before comes back after."""
+        active = self._life.split.active
+        before = active.get(kind)
+
+        def set_size(size):
+            active[kind] = size
+
+        try:
+            yield set_size
+        finally:
+            if before is None:
+                active.pop(kind, None)
+            else:
+                active[kind] = before
 
     def _can_redo_out_of_memory(self) -> bool:
         return True
