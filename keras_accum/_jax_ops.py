@@ -10,6 +10,7 @@ import jax
 import keras
 
 from keras_accum import _window
+from keras_accum._rounding import as_float32, is_low, rounded
 
 
 class JaxOps(_window.WindowOps):
@@ -42,18 +43,27 @@ class JaxOps(_window.WindowOps):
         """The accumulators' values after an update. The window's gradient
         (the next micro-batch overwrites it): XLA then divides each
         accumulator into its own buffer, where a quotient of every weight
-        alive until the apply would cost a copy of the weights."""
-        return window_gradients
+        alive until the apply would cost a copy of the weights. A
+        low-precision accumulator keeps its value and dtype."""
+        pairs = zip(window_gradients, accumulators, strict=True)
+        return [acc if is_low(acc.dtype) else grad for grad, acc in pairs]
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         added = []
         for grad in grads:
             value = keras.ops.cast(grad, _window.ACC_DTYPE)
             added.append(value if weight is None else value * weight)
-        self.accumulators = [
-            keras.ops.where(starting, value, acc + value)
-            for acc, value in zip(self.accumulators, added, strict=True)
-        ]
+        accumulators = []
+        for i, (acc, value) in enumerate(
+            zip(self.accumulators, added, strict=True)
+        ):
+            total = keras.ops.where(starting, value, as_float32(acc) + value)
+            if is_low(acc.dtype):
+                # XLA fuses the sum, the bits and the rounding into one
+                # pass over this weight: no float32 copy of the model.
+                total = rounded(total, random_bits(draw, i, total.shape))
+            accumulators.append(total)
+        self.accumulators = accumulators
         if sampled is None:
             return None
         return self._squares_added(added, sampled)
@@ -71,14 +81,18 @@ class JaxOps(_window.WindowOps):
         return _window.sum_of_squares(self.accumulators)
 
     def gradients(self, divisor):
-        return [acc / divisor for acc in self._sums(self.accumulators)]
+        # In float32, weight by weight (a low-precision sum is widened
+        # where it is divided).
+        return [
+            as_float32(acc) / divisor for acc in self._sums(self.accumulators)
+        ]
 
     def apply(self, go, divisor):
         optimizer = self._optimizer
 
         def apply(trainable, optimizer_values, accumulators):
             window_gradients = [
-                acc / divisor for acc in self._sums(accumulators)
+                as_float32(acc) / divisor for acc in self._sums(accumulators)
             ]
             grads = [
                 keras.ops.cast(g, value.dtype)
@@ -103,6 +117,17 @@ class JaxOps(_window.WindowOps):
             self.accumulators,
         )
         return self.optimizer_values[iterations_index(optimizer)]
+
+
+def random_bits(draw, index, shape):
+    """Uniform int32 in [0, 2**16) of `shape`: the stochastic rounding's
+    bits for accumulator `index` in the micro-batch `draw` takes. Under
+    a `keras.distribution` each device draws its own shard's bits."""
+    key = jax.random.wrap_key_data(
+        jax.numpy.stack([draw.seed, draw.count]).astype("uint32")
+    )
+    key = jax.random.fold_in(key, index)
+    return jax.random.bits(key, shape, "uint16").astype("int32")
 
 
 def only_if(condition, function, values):

@@ -37,7 +37,11 @@ class TensorFlowAccumTrainer(AccumTrainer):
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
         return _tf_window.create(
-            self.trainable_weights, length, strategy, close_hooks
+            self.trainable_weights,
+            length,
+            strategy,
+            close_hooks,
+            self._accumulator_dtype,
         )
 
     # -- The train step -------------------------------------------------------

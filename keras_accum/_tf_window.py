@@ -31,11 +31,18 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from keras_accum import _compat, _window
+from keras_accum._rounding import as_float32, bit_range, is_low, rounded
 from keras_accum._window import WindowState
 from keras_accum._window_fields import ACC_DTYPE, TOTALS, is_accumulator_key
 
 
-def create(trainable_variables, length, strategy, close_hooks=()):
+def create(
+    trainable_variables,
+    length,
+    strategy,
+    close_hooks=(),
+    accumulator_dtype=None,
+):
     """A `WindowState` of per-replica variables under `strategy`."""
 
     def make_variable(name, shape, dtype, like):
@@ -57,7 +64,11 @@ def create(trainable_variables, length, strategy, close_hooks=()):
 
     with strategy.scope():
         return WindowState(
-            trainable_variables, length, make_variable, close_hooks
+            trainable_variables,
+            length,
+            make_variable,
+            close_hooks,
+            accumulator_dtype,
         )
 
 
@@ -114,9 +125,15 @@ class TensorFlowOps(_window.WindowOps):
         self.xla = xla
         ctx = tf.distribute.get_replica_context()
         one_replica = ctx is None or ctx.num_replicas_in_sync == 1
+        # Each replica rounds with its own bits.
+        self._replica = 0 if ctx is None else ctx.replica_id_in_sync_group
         # Under XLA on one replica, `add` divides a completing window as
         # it writes it: XLA fuses the select and the divide into one pass.
-        self.divides_in_step = xla and one_replica and not needs_merge_call()
+        # Not into low-precision accumulators: the close divides in
+        # float32.
+        self.divides_in_step = (
+            xla and one_replica and not needs_merge_call() and not state.rounds
+        )
         # The divisor `add` divides by: the window's, where the micro-batch
         # completes it, else 1 (`before_add`).
         self._closing_divisor = None
@@ -131,7 +148,7 @@ class TensorFlowOps(_window.WindowOps):
                 tf.ones((), ACC_DTYPE),
             )
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         """Writes each accumulator as soon as its own gradient exists.
 
         A conditional per accumulator picks the write (a window's first
@@ -144,7 +161,9 @@ class TensorFlowOps(_window.WindowOps):
         """
         zero = tf.zeros((), ACC_DTYPE)
         squares = []
-        for acc, grad in zip(self.state.acc_grads, grads, strict=True):
+        for i, (acc, grad) in enumerate(
+            zip(self.state.acc_grads, grads, strict=True)
+        ):
             if grad is None:
                 continue
             # Embedding gradients (`IndexedSlices`) densify here, their
@@ -152,7 +171,12 @@ class TensorFlowOps(_window.WindowOps):
             value = tf.cast(tf.convert_to_tensor(grad), ACC_DTYPE)
             if weight is not None:
                 value = value * weight
-            if self.divides_in_step:
+            if is_low(acc.dtype):
+                # Summed in float32 and rounded, this weight alone.
+                total = tf.where(starting, value, as_float32(acc.value) + value)
+                bits = self._random_bits(draw, i, tf.shape(total))
+                acc.assign(rounded(total, bits))
+            elif self.divides_in_step:
                 total = tf.where(starting, value, acc.value + value)
                 acc.assign(total / self._closing_divisor)
             else:
@@ -169,6 +193,16 @@ class TensorFlowOps(_window.WindowOps):
             return None
         return tf.add_n(squares) if squares else zero
 
+    def _random_bits(self, draw, index, shape):
+        # Philox, stateless: the same draw gives the same bits on a rerun
+        # (a resumed run, an out-of-memory redo).
+        seed = tf.stack([_value(draw.seed), _value(draw.count)])
+        for data in (index, self._replica):
+            seed = tf.random.experimental.stateless_fold_in(seed, data)
+        return tf.random.stateless_uniform(
+            shape, seed, minval=0, maxval=bit_range(), dtype=tf.int32
+        )
+
     def _squares_of_added(self, value, sampled, zero):
         # Per accumulator, so that no gradient waits for the others; in a
         # conditional where windows are sampled, so that the others skip
@@ -181,7 +215,7 @@ class TensorFlowOps(_window.WindowOps):
 
     def all_finite(self, closing=True):
         # `closing` unread: the close runs in its conditional (`close_when`).
-        accs = [acc.value for acc in self.state.acc_grads]
+        accs = [as_float32(acc.value) for acc in self.state.acc_grads]
         if self.xla:
             # One fused reduction each there, like the sums.
             return _window.all_finite(accs)
@@ -194,7 +228,7 @@ class TensorFlowOps(_window.WindowOps):
     def sum_of_squares(self, closing=True):
         # `closing` unread: the close runs in its conditional (`close_when`).
         squares = _sum_of_squares(
-            [acc.value for acc in self.state.acc_grads], self.xla
+            [as_float32(acc.value) for acc in self.state.acc_grads], self.xla
         )
         if self._divided_by is not None:
             # Of the window's sum, not of what `add` divided it into.
@@ -208,17 +242,24 @@ class TensorFlowOps(_window.WindowOps):
         if self.xla:
             # An assignment there costs XLA a copy of each accumulator:
             # new quotients, then.
-            return [acc.value / divisor for acc in accs]
+            return [as_float32(acc.value) / divisor for acc in accs]
         # Into the accumulators: the optimizer then reads them, without a
         # new quotient per weight alive until the apply, which would cost
         # another copy of the weights at the update's peak. The noise
         # estimates and finiteness are read before this, and a window's
-        # first micro-batch overwrites it.
+        # first micro-batch overwrites it. A low-precision accumulator is
+        # divided in float32 into a new quotient instead: rounded back
+        # into it, the window's gradient would lose bits.
+        quotients = []
         for acc in accs:
+            if is_low(acc.dtype):
+                quotients.append(as_float32(acc.value) / divisor)
+                continue
             acc.assign(acc.value / divisor)
-        # Tensors read here: handed on as variables, under a strategy they
-        # would be read where no replica's device is set.
-        return [tf.identity(acc.value) for acc in accs]
+            # Read here: handed on as a variable, under a strategy it
+            # would be read where no replica's device is set.
+            quotients.append(tf.identity(acc.value))
+        return quotients
 
     def apply(self, go, divisor):
         tf.cond(
@@ -285,7 +326,7 @@ class CrossReplicaOps(_window.WindowOps):
         self._replica = replica_ops
         self._distribution = distribution
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         raise NotImplementedError("a micro-batch is added in replica context")
 
     def all_finite(self, closing=True):
@@ -432,6 +473,11 @@ def _clip_across_replicas(optimizer, grads):
     grads = _compat.clip_gradients(optimizer, grads)
     replicas = ctx.num_replicas_in_sync
     return [g / tf.cast(replicas, g.dtype) for g in grads]
+
+
+def _value(value):
+    """A tensor of a counter, read where it is a variable."""
+    return value.value if isinstance(value, keras.Variable) else value
 
 
 def _sum_of_squares(tensors, xla):

@@ -20,6 +20,7 @@ import keras
 import torch
 
 from keras_accum import _compat, _window
+from keras_accum._rounding import bit_range, is_low, rounded
 from keras_accum._trainer import AccumTrainer
 
 ACC = getattr(torch, _window.ACC_DTYPE)
@@ -333,10 +334,12 @@ class TorchOps(_window.WindowOps):
         self.variables = variables
         self.none_grads = none_grads
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         # Not divided here: in place at the close (`gradients`).
         accs = self.accumulators
         first = bool(starting)
+        if draw is not None:
+            return self._add_rounding(grads, weight, first, sampled, draw)
         grads = [g.to(acc.dtype) for g, acc in zip(grads, accs, strict=True)]
         if weight is None:
             # One call for every accumulator: on a small model, a call per
@@ -358,12 +361,39 @@ class TorchOps(_window.WindowOps):
             return torch.zeros((), dtype=ACC)
         return _window.sum_of_squares(grads)
 
+    def _add_rounding(self, grads, weight, first, sampled, draw):
+        # One weight at a time: each low-precision sum is made in float32
+        # and rounded into its accumulator before the next weight's.
+        stream = _stream(draw)
+        added = []
+        for i, (acc, grad) in enumerate(
+            zip(self.accumulators, grads, strict=True)
+        ):
+            value = grad.to(ACC)
+            if weight is not None:
+                value = value * weight
+            if not is_low(acc.dtype):
+                if first:
+                    acc.copy_(value)
+                else:
+                    acc.add_(value)
+            else:
+                total = value if first else acc.to(ACC) + value
+                acc.copy_(rounded(total, _random_bits(stream, i, total)))
+            if sampled is not None and bool(sampled):
+                added.append(value)
+        if sampled is None:
+            return None
+        if not added:
+            return torch.zeros((), dtype=ACC)
+        return _window.sum_of_squares(added)
+
     def all_finite(self, closing=True):
         # `closing` unread: only a closing window asks.
         # `_window.sums_finite`'s test, on norms: one call for every
         # accumulator, and an inf or NaN still stays in the total. A large
         # finite total may overflow, and asks for the elementwise test.
-        norms = torch._foreach_norm(self.accumulators, 2)
+        norms = torch._foreach_norm([a.to(ACC) for a in self.accumulators], 2)
         if bool(torch.isfinite(torch.stack(norms).sum())):
             return torch.tensor(True)
         return _window.all_finite(self.accumulators)
@@ -376,8 +406,21 @@ class TorchOps(_window.WindowOps):
         # In place: the optimizer gets the accumulators themselves, so an
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
-        torch._foreach_div_(self.accumulators, divisor)
-        return self.accumulators
+        # A low-precision accumulator is divided in float32 into a new
+        # quotient: rounded back into it, the gradient would lose bits.
+        low = [is_low(acc.dtype) for acc in self.accumulators]
+        torch._foreach_div_(
+            [
+                a
+                for a, is_it in zip(self.accumulators, low, strict=True)
+                if not is_it
+            ],
+            divisor,
+        )
+        return [
+            acc.to(ACC) / divisor if is_it else acc
+            for acc, is_it in zip(self.accumulators, low, strict=True)
+        ]
 
     def apply(self, go, divisor):
         if bool(go):
@@ -392,6 +435,26 @@ class TorchOps(_window.WindowOps):
             ]
             self.optimizer.apply(grads, self.variables)
         return self.optimizer.iterations.value
+
+
+def _stream(draw) -> tuple:
+    """A micro-batch's seed and count, as Python ints."""
+    return tuple(int(v) for v in draw)
+
+
+def _random_bits(stream, index, like):
+    # A generator per weight, seeded by (seed, count, index): an int
+    # tuple's hash is the same in every process.
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed(hash((*stream, index)) % 2**63)
+    return torch.randint(
+        0,
+        bit_range(),
+        like.shape,
+        generator=generator,
+        dtype=torch.int32,
+        device=like.device,
+    )
 
 
 def _sliced(data, start, stop):

@@ -94,8 +94,8 @@ class AccumTrainer:
 
     The package's state on the model is set here and nowhere else: the
     configuration (`_accum_steps`, `_partial_window`, `_micro_batch_size`,
-    `_noise_scale_every`, through `_configure`), the window (`_window`:
-    its variables, under the saved format's name
+    `_noise_scale_every`, `_accumulator_dtype`, through `_configure`), the
+    window (`_window`: its variables, under the saved format's name
     `_window_fields.SAVED_UNDER`) and the rest of its life (`_life`, a
     `WindowLife`).
     """
@@ -113,6 +113,7 @@ class AccumTrainer:
         partial_window=_KEEP,
         micro_batch_size=_KEEP,
         noise_every=_KEEP,
+        accumulator_dtype=_KEEP,
         traced: bool = False,
     ) -> None:
         """Sets the settings given (validated by the caller), and drops
@@ -131,6 +132,9 @@ class AccumTrainer:
                 self._life.split = _sizing.SplitSizes()
         if noise_every is not _KEEP:
             self._noise_scale_every = noise_every
+        if accumulator_dtype is not _KEEP:
+            # Read when the window is created (`_create_window`).
+            self._accumulator_dtype = accumulator_dtype
         if traced:
             self.train_function = None
             if getattr(self, "_life", None) is not None:
@@ -216,12 +220,12 @@ class AccumTrainer:
         check_model(self)
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
-        if make_variable is None:
-            return WindowState(
-                self.trainable_weights, length, close_hooks=close_hooks
-            )
         return WindowState(
-            self.trainable_weights, length, make_variable, close_hooks
+            self.trainable_weights,
+            length,
+            make_variable or _window._plain_variable,
+            close_hooks,
+            self._accumulator_dtype,
         )
 
     def _window_close_hooks(self):
@@ -641,6 +645,7 @@ class AccumTrainer:
             # A split batch's window closes with the batch, always.
             close_at_epoch_end=self._partial_window == "apply"
             and self._life.split_length is None,
+            rounds=self._window.rounds,
         )
 
     def _close_policy(self, loss_scale) -> _window.ClosePolicy:

@@ -125,6 +125,36 @@ def check_micro_batch_size(micro_batch_size: object) -> object:
     return int(micro_batch_size)
 
 
+ACCUMULATOR_DTYPES = (None, "float32", "bfloat16")
+
+
+def check_accumulator_dtype(accumulator_dtype: object) -> str | None:
+    """Returns `accumulator_dtype` as the model keeps it: None (float32
+    accumulators, which `"float32"` also means) or `"bfloat16"`; or
+    raises naming the value."""
+    if accumulator_dtype is None:
+        return None
+    if not isinstance(accumulator_dtype, str):
+        raise TypeError(
+            '`accumulator_dtype` must be None, "float32" or "bfloat16". '
+            f"Received: accumulator_dtype={accumulator_dtype!r} "
+            f"(of type {type(accumulator_dtype).__name__})"
+        )
+    if accumulator_dtype not in ACCUMULATOR_DTYPES:
+        why = ""
+        if accumulator_dtype in ("float16", "half"):
+            why = (
+                " (float16 accumulators are not offered: their range "
+                "loses small gradients to underflow and large sums to "
+                "overflow)"
+            )
+        raise ValueError(
+            '`accumulator_dtype` must be None, "float32" or "bfloat16"'
+            f"{why}. Received: accumulator_dtype={accumulator_dtype!r}"
+        )
+    return None if accumulator_dtype == "float32" else accumulator_dtype
+
+
 def check_split_mode(accum_steps: object, micro_batch_size) -> None:
     """Refuses `micro_batch_size` beside an `accum_steps` of its own: each
     `fit` batch is then one window, of as many micro-batches as it

@@ -35,8 +35,9 @@ from typing import Any, NamedTuple, Protocol
 
 import keras
 
-from keras_accum import _auto_rules, _compat
+from keras_accum import _auto_rules, _compat, _rounding
 from keras_accum import _scalar_ops as ops
+from keras_accum._rounding import Draw, as_float32
 from keras_accum._window_fields import (
     ACC_DTYPE,
     BY_NAME,
@@ -121,6 +122,10 @@ class Counters(NamedTuple):
             does not retrace.
         skipped_windows: Windows dropped because their gradient was not
             finite.
+        rounding_seed: The seed of the stochastic rounding's random bits
+            (`accumulator_dtype="bfloat16"`; 0 without it).
+        rounding_draws: Micro-batches added with stochastic rounding: the
+            stream's position, each micro-batch's bits its own.
         log: The `LogRings`.
         auto: The `Controller`.
     """
@@ -136,6 +141,8 @@ class Counters(NamedTuple):
     window_length: Any
     target_length: Any
     skipped_windows: Any
+    rounding_seed: Any
+    rounding_draws: Any
     log: LogRings
     auto: Controller
 
@@ -235,7 +242,7 @@ class WindowOps(Protocol):
         whether it completes the window (a boolean scalar). Nothing by
         default."""
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         """Adds `grads` (times `weight`, unless None) to the accumulators.
 
         A window's first micro-batch (`starting`, a boolean scalar)
@@ -243,7 +250,10 @@ class WindowOps(Protocol):
         a pass over every accumulator. Returns the sum of the squares of
         what it added where `sampled` (a boolean scalar) holds, zero
         elsewhere; None where `sampled` is None (no window estimates the
-        noise scale).
+        noise scale). A low-precision accumulator takes its sum, made in
+        float32, stochastically rounded with bits from `draw` (a
+        `_rounding.Draw`; None where no accumulator is low-precision), one
+        weight at a time.
         """
         raise NotImplementedError
 
@@ -299,11 +309,14 @@ class Plan(NamedTuple):
             micro-batches' squared gradient norms; 0 for none.
         close_at_epoch_end: A window closes on the epoch's last step too
             (`partial_window="apply"`).
+        rounds: Some accumulators are low-precision: the micro-batch takes
+            a `Draw` of random bits for their stochastic rounding.
     """
 
     scheduled: Any = None
     noise_every: int = 0
     close_at_epoch_end: bool = True
+    rounds: bool = False
 
 
 def accumulate(
@@ -333,10 +346,14 @@ def accumulate(
         mini_step=counters.mini_step + 1,
         epoch_step=counters.epoch_step + 1,
     )
+    draw = None
+    if plan.rounds:
+        added = added._replace(rounding_draws=counters.rounding_draws + 1)
+        draw = Draw(counters.rounding_seed, added.rounding_draws)
     complete = is_complete(added, plan.close_at_epoch_end)
     sampled = is_sampled(counters, plan.noise_every)
     backend.before_add(added, complete)
-    squares = backend.add(grads, share.weight, starting, sampled)
+    squares = backend.add(grads, share.weight, starting, sampled, draw)
     if squares is not None:
         # Divided by the micro-batch's count (its loss normalizer, or its
         # samples where the loss sums), a weighted gradient is the
@@ -679,7 +696,7 @@ def noise_statistics(
 def sum_of_squares(values):
     total = ops.zeros((), ACC_DTYPE)
     for value in values:
-        total = total + ops.sum(ops.square(value))
+        total = total + ops.sum(ops.square(as_float32(value)))
     return total
 
 
@@ -699,7 +716,7 @@ def sums_finite(values):
 def sum_of(values):
     total = ops.zeros((), ACC_DTYPE)
     for value in values:
-        total = total + ops.sum(value)
+        total = total + ops.sum(as_float32(value))
     return total
 
 
@@ -798,6 +815,9 @@ class WindowState(SavedWindow):
             one variable; `like` is the trainable variable an accumulator
             sums the gradients of (None for a counter).
         close_hooks: See the attribute.
+        accumulator_dtype: The model's setting: None (float32
+            accumulators) or `"bfloat16"` (for weights of at least
+            `_rounding.SMALL_WEIGHT` elements, stochastically rounded).
     """
 
     def __init__(
@@ -806,18 +826,29 @@ class WindowState(SavedWindow):
         length: int,
         make_variable=_plain_variable,
         close_hooks=(),
+        accumulator_dtype=None,
     ) -> None:
         self.close_hooks = list(close_hooks)
-        self.acc_grads = [
-            make_variable(accumulator_key(i), tuple(v.shape), ACC_DTYPE, v)
-            for i, v in enumerate(trainable_variables)
-        ]
+        self.acc_grads = []
+        for i, v in enumerate(trainable_variables):
+            shape = tuple(v.shape)
+            dtype = _rounding.accumulator_dtype(shape, accumulator_dtype)
+            self.acc_grads.append(
+                make_variable(accumulator_key(i), shape, dtype, v)
+            )
         self.counters = Counters.from_flat(
             make_variable(field.name, field.shape, field.dtype, None)
             for field in FIELDS
         )
         self.counters.window_length.assign(length)
         self.counters.target_length.assign(length)
+        if self.rounds:
+            self.counters.rounding_seed.assign(_rounding.new_seed())
+
+    @property
+    def rounds(self) -> bool:
+        """Whether some accumulator rounds stochastically (is bfloat16)."""
+        return any(_rounding.is_low(acc.dtype) for acc in self.acc_grads)
 
     @property
     def variables(self) -> list:

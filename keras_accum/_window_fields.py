@@ -28,8 +28,10 @@ COUNT_DTYPE = "int32"
 INT_MAX = 2**31 - 1
 
 # The saved window's layout. 0: files written before it was recorded,
-# which hold the same entries as 1.
-FORMAT_VERSION = 1
+# which hold the same entries as 1. 2 added the stochastic rounding's
+# draw (`rounding_seed`, `rounding_draws`): a version-1 file loads without
+# them (`Field.since`).
+FORMAT_VERSION = 2
 # The `AccumModel` attribute that holds the window: Keras names a saved
 # object's entries by the attribute path (`_window/vars/...`), so this name
 # is part of the format.
@@ -71,6 +73,9 @@ class Field(NamedTuple):
         why: What the value is, for a load error's message.
         group: The `Counters` field that nests it (`"log"`, `"auto"`);
             None for a field of `Counters` itself.
+        since: The `FORMAT_VERSION` that first saved it: a file of an
+            earlier version loads without it, the loading model's value
+            kept.
     """
 
     name: str
@@ -84,6 +89,7 @@ class Field(NamedTuple):
     finite: bool = False
     why: str = ""
     group: str | None = None
+    since: int = 1
 
     @property
     def shape(self) -> tuple:
@@ -136,6 +142,12 @@ FIELDS = (
     _count("window_length", low=1),
     _count("target_length", low=1),
     _count("skipped_windows"),
+    # The stochastic rounding's random stream (`accumulator_dtype=
+    # "bfloat16"`): its seed, drawn once per window state, and the draws
+    # taken, one per micro-batch; saved, so that a resumed run draws the
+    # bits an uninterrupted one would.
+    _count("rounding_seed", low=-INT_MAX - 1, since=2),
+    _count("rounding_draws", since=2),
     # The log of closed windows, read by `PseudoBatchLogger`.
     Field("log_count", COUNT_DTYPE, group="log"),
     _ring("log_loss"),

@@ -21,6 +21,7 @@ import warnings
 import zipfile
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from keras_accum._compat import KerasSaveable
@@ -46,6 +47,10 @@ SAVED_INTS = tuple(f.name for f in SAVED if f.dtype == COUNT_DTYPE)
 SAVED_FLOATS = tuple(f.name for f in SAVED if f.dtype == ACC_DTYPE)
 SAVED_TOTALS = tuple(f.name for f in SAVED if f.summed)
 SAVED_INT_DTYPES = (COUNT_DTYPE,)
+# An accumulator's: float32, or bfloat16 (`accumulator_dtype`); either
+# loads into either.
+LOW_DTYPE = "bfloat16"
+ACC_DTYPES = (ACC_DTYPE, LOW_DTYPE)
 VERSION_KEY = "format_version"
 # Float32 sums of whole numbers are exact below 2**24; above, a window's
 # two sums of the same counts may round differently.
@@ -154,14 +159,20 @@ class SavedWindow(KerasSaveable):
         for i, acc in enumerate(self.acc_grads):
             if accumulator_key(i) not in values:
                 break  # a closed window of another trainable set
-            value = np.asarray(values[accumulator_key(i)])
+            # In the accumulator's own dtype: a file of float32
+            # accumulators loads into bfloat16 ones (rounded to nearest,
+            # once) and back.
+            value = np.asarray(values[accumulator_key(i)]).astype(
+                _numpy_dtype(acc.dtype)
+            )
             if self.partial_sums:
                 value = np.concatenate(
                     [value[None], np.zeros((acc.shape[0] - 1, *value.shape))]
                 ).astype(value.dtype)
             acc.assign(value)
         for name in SAVED_COUNTERS:
-            self.counters.get(name).assign(values[name])
+            if name in values:  # Else a field newer than the file's layout.
+                self.counters.get(name).assign(values[name])
         self.loaded_position = (
             int(values["epoch"]),
             int(values["epoch_step"]),
@@ -211,6 +222,11 @@ class SavedWindow(KerasSaveable):
         return self.load_rules() if self.load_rules else WindowRules()
 
 
+def _numpy_dtype(dtype):
+    name = str(getattr(dtype, "name", dtype))
+    return ml_dtypes.bfloat16 if name.endswith(LOW_DTYPE) else np.dtype(name)
+
+
 def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     """The saved window's entries, each checked.
 
@@ -238,16 +254,19 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     if where is None:
         where = _where(store)
     keys = [str(key) for key in store.keys()]
-    _check_version(store, keys, where)
+    version = _check_version(store, keys, where)
     saved = [key for key in keys if is_accumulator_key(key)]
     _check_keys(
-        [key for key in keys if key not in saved and key != VERSION_KEY], where
+        [key for key in keys if key not in saved and key != VERSION_KEY],
+        where,
+        version,
     )
     values = {}
     for name in SAVED_FLOATS:
         values[name] = _read(store, name, (ACC_DTYPE,), (), where)
     for name in SAVED_INTS:
-        values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
+        if name in keys:
+            values[name] = _read(store, name, SAVED_INT_DTYPES, (), where)
     _check_values(values, rules, where)
     expected = [accumulator_key(i) for i in range(len(shapes))]
     mismatch = _trainable_mismatch(store, saved, expected, shapes)
@@ -257,16 +276,16 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
         # accumulators, which are left as they are.
         return values
     for name, shape in zip(expected, shapes, strict=True):
-        values[name] = _read(store, name, (ACC_DTYPE,), shape, where)
+        values[name] = _read(store, name, ACC_DTYPES, shape, where)
     return values
 
 
 def _check_version(store, keys, where):
     """The file's layout is one this release reads: `format_version` from
     1 to `FORMAT_VERSION`, or absent (files written before it was
-    recorded, whose layout is version 1's)."""
+    recorded, whose layout is version 1's). Returns the version."""
     if VERSION_KEY not in keys:
-        return
+        return 1
     value = _read(store, VERSION_KEY, SAVED_INT_DTYPES, (), where)
     version = int(value)
     if version > FORMAT_VERSION:
@@ -283,12 +302,15 @@ def _check_version(store, keys, where):
             f"The saved accumulation window entry `{VERSION_KEY}` = "
             f"{version} is outside 1..{FORMAT_VERSION}{where}. {_REMEDY}"
         )
+    return version
 
 
-def _check_keys(keys, where):
-    """The saved counters, each present, and no entry this release does
-    not write."""
-    missing = [key for key in SAVED_COUNTERS if key not in keys]
+def _check_keys(keys, where, version):
+    """The saved counters of the file's `version`, each present, and no
+    entry this release does not write."""
+    missing = [
+        f.name for f in SAVED if f.since <= version and f.name not in keys
+    ]
     unknown = sorted(key for key in keys if key not in SAVED_COUNTERS)
     if not missing and not unknown:
         return
@@ -380,10 +402,10 @@ def _read(store, name, dtypes, shape, where):
         value = value if hasattr(value, "dtype") else np.asarray(value)
     else:
         value = np.asarray(value)
-    if value.dtype.name not in dtypes:
+    if _dtype_name(value) not in dtypes:
         raise ValueError(
             f"The saved accumulation window entry `{name}` = "
-            f"{_show(value)}{where} has dtype {value.dtype.name}; "
+            f"{_show(value)}{where} has dtype {_dtype_name(value)}; "
             f"keras-accum saves it as {' or '.join(dtypes)}. {_REMEDY}"
         )
     if tuple(value.shape) != tuple(shape):
@@ -393,6 +415,15 @@ def _read(store, name, dtypes, shape, where):
             "into the same architecture."
         )
     return value
+
+
+def _dtype_name(value) -> str:
+    # Keras writes a bfloat16 array to H5 as raw 16-bit values marked by
+    # a `dtype` attribute (`saving_lib.H5IOStore`).
+    attrs = getattr(value, "attrs", None)
+    if attrs is not None and attrs.get("dtype") == LOW_DTYPE:
+        return LOW_DTYPE
+    return value.dtype.name
 
 
 def warn_if_lora_reset(layers, trainable_variables, window) -> None:
@@ -442,7 +473,7 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
 
 
 def _check_values(values, rules, where):
-    ints = {name: int(values[name]) for name in SAVED_INTS}
+    ints = {name: int(values[name]) for name in SAVED_INTS if name in values}
     totals = {name: float(values[name]) for name in SAVED_TOTALS}
     context = f"accum_steps={rules.accum_steps}"
 
@@ -510,6 +541,8 @@ def _check_ranges(values, fail):
     """
     for field in SAVED:
         if field.low is None and field.high is None and not field.finite:
+            continue
+        if field.name not in values:  # Newer than the file's layout.
             continue
         value = values[field.name]
         value = int(value) if field.dtype == COUNT_DTYPE else float(value)

@@ -35,6 +35,7 @@ from keras_accum._schedules import (
 )
 from keras_accum._validation import (
     check_accum_schedule,
+    check_accumulator_dtype,
     check_micro_batch_size,
     check_partial_window,
     check_split_mode,
@@ -204,6 +205,17 @@ class AccumModel(_Trainer, keras.Model):
             both sizes: the update is the same, only slower. Not with an
             `accum_steps` other than 1. See the guide "Batches that fit".
             Defaults to `None` (each batch a micro-batch).
+        accumulator_dtype: None, `"float32"` or `"bfloat16"`. The dtype the
+            gradients are summed in. None (or `"float32"`) keeps float32
+            accumulators: exact, whatever the weights' dtype.
+            `"bfloat16"` halves their memory for every weight of at least
+            16384 elements (`2**14`; smaller ones, biases and
+            normalization scales, stay float32): each micro-batch's
+            gradient is added in float32 and the sum stochastically
+            rounded to bfloat16, unbiased but no longer exact (about 2**-9
+            of a sum's magnitude per addition, averaging out over
+            micro-batches); the close divides in float32. See the guide
+            "Low-precision models". Defaults to `None`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`, e.g. `name`.
 
@@ -249,6 +261,7 @@ class AccumModel(_Trainer, keras.Model):
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
+        accumulator_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         source = model_being_cloned()
@@ -260,9 +273,11 @@ class AccumModel(_Trainer, keras.Model):
                 source._partial_window,
                 source._micro_batch_size,
             )
+            accumulator_dtype = source._accumulator_dtype
         accum_steps = check_accum_schedule(accum_steps)
         partial_window = check_partial_window(partial_window)
         micro_batch_size = check_micro_batch_size(micro_batch_size)
+        accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         check_split_mode(accum_steps, micro_batch_size)
         if not isinstance(self, Functional) and functional_init_arguments(
             args, kwargs
@@ -287,6 +302,7 @@ class AccumModel(_Trainer, keras.Model):
             partial_window=partial_window,
             micro_batch_size=micro_batch_size,
             noise_every=0,
+            accumulator_dtype=accumulator_dtype,
         )
         self._reset_window_state()
 
@@ -299,6 +315,7 @@ class AccumModel(_Trainer, keras.Model):
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
+        accumulator_dtype: str | None = None,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -324,6 +341,8 @@ class AccumModel(_Trainer, keras.Model):
                 Defaults to `"apply"`.
             micro_batch_size: None, an integer >= 1, `"auto"` or an
                 `AutoMicroBatch`, as for `AccumModel`. Defaults to `None`.
+            accumulator_dtype: None, `"float32"` or `"bfloat16"`, as for
+                `AccumModel`. Defaults to `None`.
 
         Returns:
             An `AccumModel` (uncompiled) computing what `model` computes.
@@ -346,6 +365,7 @@ class AccumModel(_Trainer, keras.Model):
             check_micro_batch_size(micro_batch_size),
         )
         check_partial_window(partial_window)
+        check_accumulator_dtype(accumulator_dtype)
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "
@@ -365,6 +385,7 @@ class AccumModel(_Trainer, keras.Model):
                     accum_steps=accum_steps,
                     partial_window=partial_window,
                     micro_batch_size=micro_batch_size,
+                    accumulator_dtype=accumulator_dtype,
                 )
         if not model.built:
             raise ValueError(
@@ -379,6 +400,7 @@ class AccumModel(_Trainer, keras.Model):
             accum_steps=accum_steps,
             partial_window=partial_window,
             micro_batch_size=micro_batch_size,
+            accumulator_dtype=accumulator_dtype,
         )
 
     @property
@@ -438,6 +460,27 @@ class AccumModel(_Trainer, keras.Model):
                     f"micro_batch_size={value!r}"
                 )
             self._configure(micro_batch_size=value, traced=True)
+
+    @property
+    def accumulator_dtype(self) -> str | None:
+        """The dtype the gradients are summed in: None (float32) or
+        `"bfloat16"` (weights of at least 16384 elements; see
+        `AccumModel`). Setting it applies from the next `compile()`: the
+        window's accumulators are made once per compile."""
+        return self._accumulator_dtype
+
+    @accumulator_dtype.setter
+    def accumulator_dtype(self, value: str | None) -> None:
+        value = check_accumulator_dtype(value)
+        if value != self._accumulator_dtype and self._window is not None:
+            raise ValueError(
+                "`accumulator_dtype` cannot change once the window's "
+                "accumulators exist (after the first `fit` since "
+                "`compile()`): call `compile()` again first, which drops "
+                "the open window. Received: "
+                f"accumulator_dtype={value!r}"
+            )
+        self._configure(accumulator_dtype=value, traced=True)
 
     @property
     def micro_batch_choices(self) -> list[dict]:
@@ -660,7 +703,11 @@ class AccumModel(_Trainer, keras.Model):
         return super().evaluate(*args, **kwargs)
 
     def get_config(self) -> dict:
-        config = {
+        return {**super().get_config(), **self._accumulation_config()}
+
+    def _accumulation_config(self) -> dict:
+        """The settings' config entries (`accum_steps` and the rest)."""
+        return {
             "accum_steps": serialize_accum_steps(self._accum_steps),
             "partial_window": self._partial_window,
             "micro_batch_size": (
@@ -668,8 +715,8 @@ class AccumModel(_Trainer, keras.Model):
                 if isinstance(self._micro_batch_size, AutoMicroBatch)
                 else self._micro_batch_size
             ),
+            "accumulator_dtype": self._accumulator_dtype,
         }
-        return {**super().get_config(), **config}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -679,6 +726,7 @@ class AccumModel(_Trainer, keras.Model):
         )
         partial_window = config.pop("partial_window", "apply")
         micro_batch_size = config.pop("micro_batch_size", None)
+        accumulator_dtype = config.pop("accumulator_dtype", None)
         if isinstance(micro_batch_size, dict):
             micro_batch_size = keras.saving.deserialize_keras_object(
                 micro_batch_size, custom_objects=custom_objects
@@ -689,6 +737,7 @@ class AccumModel(_Trainer, keras.Model):
         model.accum_steps = accum_steps
         model.partial_window = partial_window
         model.micro_batch_size = micro_batch_size
+        model.accumulator_dtype = accumulator_dtype
         return model
 
 
@@ -762,8 +811,7 @@ class _WrappedAccumModel(AccumModel):
             "inner_model": keras.saving.serialize_keras_object(
                 self.inner_model
             ),
-            "accum_steps": serialize_accum_steps(self._accum_steps),
-            "partial_window": self._partial_window,
+            **self._accumulation_config(),
         }
 
     @classmethod
@@ -775,6 +823,10 @@ class _WrappedAccumModel(AccumModel):
         config["accum_steps"] = deserialize_accum_steps(
             config.get("accum_steps", 1), custom_objects
         )
+        if isinstance(config.get("micro_batch_size"), dict):
+            config["micro_batch_size"] = keras.saving.deserialize_keras_object(
+                config["micro_batch_size"], custom_objects=custom_objects
+            )
         return cls(inner, **config)
 
 

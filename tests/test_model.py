@@ -932,9 +932,9 @@ def test_train_step_called_directly_before_fit_accumulates():
     )
 
 
-def test_the_model_carries_six_attributes_of_the_package():
+def test_the_model_carries_seven_attributes_of_the_package():
     # Before: twelve, two of them (`_epoch`, `_steps_per_epoch`) copies of
-    # window counters. Now the four settings, the window and its life.
+    # window counters. Now the five settings, the window and its life.
     def model(cls, **kwargs):
         inputs = keras.Input((3,))
         built = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
@@ -952,6 +952,7 @@ def test_the_model_carries_six_attributes_of_the_package():
         "_partial_window",
         "_micro_batch_size",
         "_noise_scale_every",
+        "_accumulator_dtype",
         "_window",
         "_life",
     }

@@ -45,7 +45,7 @@ class _Recording(_window.WindowOps):
         self.iterations = 0
         self.calls = []
 
-    def add(self, grads, weight, starting, sampled):
+    def add(self, grads, weight, starting, sampled, draw=None):
         self.calls.append("add")
         added = [
             ops.convert_to_tensor(g, "float32")
@@ -469,7 +469,7 @@ def test_every_counter_is_declared_once_in_the_field_table():
             == counters.get(field.name)
         )
     assert _window_fields.GROUPS == ("log", "auto")
-    with pytest.raises(ValueError, match="Expected 23 counter values, got 2"):
+    with pytest.raises(ValueError, match="Expected 25 counter values, got 2"):
         Counters.from_flat([0, 1])
     assert _window_fields.TOTALS == (
         "acc_normalizer",

@@ -35,6 +35,8 @@ COUNTERS = (
     "auto_trace",
     "auto_grad_sq",
     "auto_progress",
+    "rounding_seed",
+    "rounding_draws",
 )
 INTS = (
     "mini_step",
@@ -44,7 +46,11 @@ INTS = (
     "skipped_windows",
     "target_length",
     "auto_estimates",
+    "rounding_seed",
+    "rounding_draws",
 )
+# The layout these tests write out.
+FORMAT_VERSION = 2
 
 
 def _compiled(model):
@@ -643,8 +649,26 @@ def test_a_file_records_its_layout_version(saved):
     directory, _ = saved
     with h5py.File(directory / "base.weights.h5", "r") as h5:
         group = _window_group(h5)
-        assert group["format_version"][()] == 1
+        assert group["format_version"][()] == FORMAT_VERSION == 2
         assert group["format_version"].dtype == np.int32
+
+
+def test_a_version_1_file_loads_without_the_rounding_draw(saved, tmp_path):
+    # Version 2 added `rounding_seed` and `rounding_draws`; a file written
+    # before them loads, the loading model's values kept.
+    directory, rest = saved
+    base = directory / "base.weights.h5"
+
+    def as_version_1(group):
+        for name in ("rounding_seed", "rounding_draws"):
+            group.__delitem__(name)
+        _set(group, "format_version", np.int32(1))
+
+    old = _corrupted(base, tmp_path / "v1.weights.h5", as_version_1)
+    expected = _resumed(_compiled(accum_mlp(K, seed=3)), base, rest)
+    got = _resumed(_compiled(accum_mlp(K, seed=3)), old, rest)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_file_without_a_version_loads_as_before(saved, tmp_path):
@@ -672,7 +696,7 @@ def test_a_version_from_the_future_is_refused_naming_it(
     path = _corrupted(
         source,
         tmp_path / f"future{suffix}",
-        lambda g: _set(g, "format_version", np.int32(2)),
+        lambda g: _set(g, "format_version", np.int32(FORMAT_VERSION + 1)),
     )
     model = _compiled(accum_mlp(K, seed=3))
     model.load_weights(directory / "base.weights.h5")
@@ -680,7 +704,7 @@ def test_a_version_from_the_future_is_refused_naming_it(
     where = re.escape(str(path)) if suffix == ".weights.h5" else ""
     with pytest.raises(
         ValueError,
-        match=rf"{where}.*`format_version` = 2, a layout newer.*Upgrade",
+        match=rf"{where}.*`format_version` = 3, a layout newer.*Upgrade",
     ):
         if suffix == ".keras":
             keras.saving.load_model(path)
