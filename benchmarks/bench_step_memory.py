@@ -1,7 +1,7 @@
 """The train step's own memory beyond the state, by allocator, per backend.
 
     python benchmarks/bench_step_memory.py [--json=PATH]
-        [--models=wide,deep] [--kinds=graph,xla,jax]
+        [--models=wide,deep] [--kinds=graph,xla,jax] [--low-precision]
 
 What `AccumModel(B, k=4)` needs beyond what it holds between steps,
 against `keras.Model(B)`, in units of P (the trainable weights' float32
@@ -19,6 +19,11 @@ figures, each backend in a fresh process:
 
 The state itself differs by the accumulators (P) and the window's few
 scalars. Takes about 3 minutes on a 2-core CPU.
+
+With `--low-precision`, each model is measured under the `bfloat16` dtype
+policy too: `keras.Model` (`plain_bf16`), `AccumModel` with float32
+accumulators (`accum_bf16`) and with `accumulator_dtype="bfloat16"`
+(`low_bf16`), P still the weights' float32 size.
 """
 
 from __future__ import annotations
@@ -63,23 +68,38 @@ def _data(features):
     return x, rng.integers(0, 10, size=(B * K,))
 
 
-def _variants(models):
-    """`(name, variant, model, x, y)`: plain and `AccumModel`, per model."""
+def _variants(models, low_precision=False):
+    """`(name, variant, model, x, y)`: plain and `AccumModel`, per model
+    (and under a bfloat16 policy, with `low_precision`)."""
+    for name in models:
+        build, features = _models()[name]
+        x, y = _data(features)
+        for variant, model in _built(build, low_precision):
+            yield name, variant, model, x, y
+
+
+def _built(build, low_precision):
     import keras
 
     import keras_accum
 
-    for name in models:
-        build, features = _models()[name]
-        x, y = _data(features)
-        # Both built before either is measured: an allocator's peak depends
-        # on what was allocated and freed before (docs/benchmarks.md).
-        pair = (
-            ("plain", build(keras.Model)),
-            ("accum", build(keras_accum.AccumModel, accum_steps=K)),
-        )
-        for variant, model in pair:
-            yield name, variant, model, x, y
+    def accum(**kwargs):
+        return build(keras_accum.AccumModel, accum_steps=K, **kwargs)
+
+    # All built before any is measured: an allocator's peak depends on
+    # what was allocated and freed before (docs/benchmarks.md).
+    built = [("plain", build(keras.Model)), ("accum", accum())]
+    if low_precision:
+        keras.config.set_dtype_policy("bfloat16")
+        try:
+            built += [
+                ("plain_bf16", build(keras.Model)),
+                ("accum_bf16", accum()),
+                ("low_bf16", accum(accumulator_dtype="bfloat16")),
+            ]
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return built
 
 
 def _compile(model, **kwargs):
@@ -132,7 +152,7 @@ def _requested_peak(logdir):
     return peak
 
 
-def _tensorflow(xla, models):
+def _tensorflow(xla, models, low_precision=False):
     import tensorflow as tf
 
     if not xla:
@@ -140,7 +160,7 @@ def _tensorflow(xla, models):
         tf.config.threading.set_intra_op_parallelism_threads(1)
     info = tf.config.experimental.get_memory_info
     results = {}
-    for name, variant, model, x, y in _variants(models):
+    for name, variant, model, x, y in _variants(models, low_precision):
         _compile(model, jit_compile=xla)
         for _ in range(2):  # Slots, accumulators, the traced step.
             model.fit(x, y, batch_size=B, verbose=0)
@@ -162,11 +182,11 @@ def _tensorflow(xla, models):
     return results
 
 
-def _jax(models):
+def _jax(models, low_precision=False):
     import jax
 
     results = {}
-    for name, variant, model, x, y in _variants(models):
+    for name, variant, model, x, y in _variants(models, low_precision):
         _compile(model)
         model.fit(x, y, batch_size=B, verbose=0)
         state = model._get_jax_state(
@@ -186,15 +206,15 @@ def _jax(models):
     return results
 
 
-def _child(kind, models):
+def _child(kind, models, low_precision):
     if kind == "jax":
-        results = _jax(models)
+        results = _jax(models, low_precision)
     else:
-        results = _tensorflow(xla=kind == "xla", models=models)
+        results = _tensorflow(kind == "xla", models, low_precision)
     print("RESULTS " + json.dumps(results))
 
 
-def _run(kind, models):
+def _run(kind, models, low_precision=False):
     backend = "jax" if kind == "jax" else "tensorflow"
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     # TensorFlow's CPU allocator keeps statistics only as the BFC allocator,
@@ -206,6 +226,7 @@ def _run(kind, models):
             __file__,
             f"--child={kind}",
             f"--models={','.join(models)}",
+            *(["--low-precision"] if low_precision else []),
         ],
         env=env,
         capture_output=True,
@@ -225,6 +246,11 @@ def main():
     parser.add_argument(
         "--kinds", default="graph,xla,jax", help="of graph, xla, jax"
     )
+    parser.add_argument(
+        "--low-precision",
+        action="store_true",
+        help="also under the bfloat16 policy, with bfloat16 accumulators",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -236,9 +262,9 @@ def main():
     if unknown:
         parser.error(f"--kinds: unknown {sorted(unknown)}")
     if args.child:
-        _child(args.child, models)
+        _child(args.child, models, args.low_precision)
         return
-    results = {kind: _run(kind, models) for kind in kinds}
+    results = {kind: _run(kind, models, args.low_precision) for kind in kinds}
     print("step memory beyond the state, in P (trainable weights' size)")
     print(
         f"{'backend':<8} {'model':<5} {'figure':<10} {'Model(B)':>9} "
@@ -256,9 +282,28 @@ def main():
                     f"{kind:<8} {model:<5} {figure:<10} {plain:>9.3f} "
                     f"{accum:>11.3f} {accum - plain:>+11.3f}"
                 )
+    if args.low_precision:
+        _print_low_precision(results, models)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _print_low_precision(results, models):
+    print("under the bfloat16 policy, in P (the weights' float32 size)")
+    variants = ("plain_bf16", "accum_bf16", "low_bf16")
+    print(
+        f"{'backend':<8} {'model':<5} {'figure':<10} "
+        + " ".join(f"{v:>11}" for v in variants)
+    )
+    for kind, rows in results.items():
+        figures = sorted({f for row in rows.values() for f in row} - {"p"})
+        for model in models:
+            for figure in figures:
+                values = " ".join(
+                    f"{rows[f'{model}/{v}'][figure]:>11.3f}" for v in variants
+                )
+                print(f"{kind:<8} {model:<5} {figure:<10} {values}")
 
 
 if __name__ == "__main__":

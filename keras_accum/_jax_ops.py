@@ -10,7 +10,7 @@ import jax
 import keras
 
 from keras_accum import _window
-from keras_accum._rounding import as_float32, is_low, rounded
+from keras_accum._rounding import as_float32, is_low, random_bits, rounded
 
 
 class JaxOps(_window.WindowOps):
@@ -117,17 +117,6 @@ class JaxOps(_window.WindowOps):
             self.accumulators,
         )
         return self.optimizer_values[iterations_index(optimizer)]
-
-
-def random_bits(draw, index, shape):
-    """Uniform int32 in [0, 2**16) of `shape`: the stochastic rounding's
-    bits for accumulator `index` in the micro-batch `draw` takes. Under
-    a `keras.distribution` each device draws its own shard's bits."""
-    key = jax.random.wrap_key_data(
-        jax.numpy.stack([draw.seed, draw.count]).astype("uint32")
-    )
-    key = jax.random.fold_in(key, index)
-    return jax.random.bits(key, shape, "uint16").astype("int32")
 
 
 def only_if(condition, function, values):

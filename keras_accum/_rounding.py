@@ -1,7 +1,7 @@
 """Low-precision accumulators (`accumulator_dtype="bfloat16"`).
 
-Which weights get one, and the stochastic rounding that adds into it; the
-random bits come from each backend (`Draw` says which).
+Which weights get one, the stochastic rounding that adds into it, and its
+random bits (`Draw` says which), written once for the three backends.
 
 A bfloat16 value keeps the top 16 bits of a float32. Adding a micro-batch
 computes the new sum in float32, adds a uniform random integer in
@@ -78,13 +78,51 @@ def rounded(total, bits):
     return ops.cast(ops.where(ops.isnan(total), total, kept), LOW_DTYPE)
 
 
+def random_bits(draw: Draw, index: int, shape, start=0):
+    """Uniform int32 in [0, 2**16) of `shape`, for accumulator `index` in
+    the micro-batch `draw` takes.
+
+    A counter-based hash of each element's position, keyed by the draw
+    and the index, in int32 arithmetic (which wraps the same way on every
+    backend): nothing but elementwise operations on a range, which XLA
+    fuses into the rounding, so no buffer of bits is ever made; a
+    generator's bits, independent of the gradient, were made for every
+    weight at the start of JAX's step (13.7 bytes per parameter of
+    temporaries, against 4.0 for a plain step). The same draw gives the
+    same bits on every backend and every rerun. `start`: 0, as a tensor
+    computed at run time where a graph optimizer would otherwise fold the
+    positions into a constant held with the graph (TensorFlow's).
+    """
+    key = _mix(ops.cast(draw.count, "int32") * _GOLDEN + index)
+    key = _mix(ops.cast(draw.seed, "int32") ^ key)
+    size = math.prod(shape)
+    if isinstance(start, int):
+        position = ops.arange(size, dtype="int32")
+    else:
+        position = ops.arange(start, start + size, dtype="int32")
+    position = ops.reshape(position, shape)
+    return _shifted(_mix(_mix(position + key) ^ (key * _GOLDEN)), 16)
+
+
+# lowbias32 (Chris Wellons' integer hash constants), as int32.
+_GOLDEN = -1640531527  # 0x9E3779B9
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B - 2**32
+
+
+def _shifted(x, bits):
+    """`x >> bits` as a uint32 would shift (zeros in from the left)."""
+    return ops.bitwise_and(ops.right_shift(x, bits), 2 ** (32 - bits) - 1)
+
+
+def _mix(x):
+    x = ops.bitwise_xor(x, _shifted(x, 16)) * _M1
+    x = ops.bitwise_xor(x, _shifted(x, 15)) * _M2
+    return ops.bitwise_xor(x, _shifted(x, 16))
+
+
 def as_float32(value):
     """An accumulator's value as float32 (the identity on a float32 one)."""
     if is_low(value.dtype):
         return ops.cast(value, ACC_DTYPE)
     return value
-
-
-def bit_range() -> int:
-    """The random integers' exclusive bound: the bits a float32 drops."""
-    return _DROPPED

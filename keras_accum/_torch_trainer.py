@@ -20,7 +20,7 @@ import keras
 import torch
 
 from keras_accum import _compat, _window
-from keras_accum._rounding import bit_range, is_low, rounded
+from keras_accum._rounding import is_low, random_bits, rounded
 from keras_accum._trainer import AccumTrainer
 
 ACC = getattr(torch, _window.ACC_DTYPE)
@@ -364,7 +364,6 @@ class TorchOps(_window.WindowOps):
     def _add_rounding(self, grads, weight, first, sampled, draw):
         # One weight at a time: each low-precision sum is made in float32
         # and rounded into its accumulator before the next weight's.
-        stream = _stream(draw)
         added = []
         for i, (acc, grad) in enumerate(
             zip(self.accumulators, grads, strict=True)
@@ -379,7 +378,7 @@ class TorchOps(_window.WindowOps):
                     acc.add_(value)
             else:
                 total = value if first else acc.to(ACC) + value
-                acc.copy_(rounded(total, _random_bits(stream, i, total)))
+                acc.copy_(rounded(total, random_bits(draw, i, total.shape)))
             if sampled is not None and bool(sampled):
                 added.append(value)
         if sampled is None:
@@ -406,8 +405,6 @@ class TorchOps(_window.WindowOps):
         # In place: the optimizer gets the accumulators themselves, so an
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
-        # A low-precision accumulator is divided in float32 into a new
-        # quotient: rounded back into it, the gradient would lose bits.
         low = [is_low(acc.dtype) for acc in self.accumulators]
         torch._foreach_div_(
             [
@@ -417,10 +414,21 @@ class TorchOps(_window.WindowOps):
             ],
             divisor,
         )
-        return [
-            acc.to(ACC) / divisor if is_it else acc
-            for acc, is_it in zip(self.accumulators, low, strict=True)
-        ]
+        quotients = []
+        for acc, variable, is_it in zip(
+            self.accumulators, self.variables, low, strict=True
+        ):
+            if is_it:
+                # Divided in float32, one weight at a time: into the
+                # accumulator where the weight is as narrow (the optimizer
+                # takes the quotient in its dtype, rounded as this
+                # rounds it), else into a new float32 quotient, which
+                # rounded back would lose bits.
+                quotient = acc.to(ACC) / divisor
+                narrow = variable.value.dtype.itemsize <= acc.dtype.itemsize
+                acc = acc.copy_(quotient) if narrow else quotient
+            quotients.append(acc)
+        return quotients
 
     def apply(self, go, divisor):
         if bool(go):
@@ -435,26 +443,6 @@ class TorchOps(_window.WindowOps):
             ]
             self.optimizer.apply(grads, self.variables)
         return self.optimizer.iterations.value
-
-
-def _stream(draw) -> tuple:
-    """A micro-batch's seed and count, as Python ints."""
-    return tuple(int(v) for v in draw)
-
-
-def _random_bits(stream, index, like):
-    # A generator per weight, seeded by (seed, count, index): an int
-    # tuple's hash is the same in every process.
-    generator = torch.Generator(device=like.device)
-    generator.manual_seed(hash((*stream, index)) % 2**63)
-    return torch.randint(
-        0,
-        bit_range(),
-        like.shape,
-        generator=generator,
-        dtype=torch.int32,
-        device=like.device,
-    )
 
 
 def _sliced(data, start, stop):

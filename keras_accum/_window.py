@@ -716,7 +716,9 @@ def sums_finite(values):
 def sum_of(values):
     total = ops.zeros((), ACC_DTYPE)
     for value in values:
-        total = total + ops.sum(as_float32(value))
+        # A bfloat16 value summed as it is (float32's range): a finiteness
+        # test, where a cast would cost a float32 copy.
+        total = total + ops.cast(ops.sum(value), ACC_DTYPE)
     return total
 
 

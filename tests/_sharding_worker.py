@@ -99,6 +99,41 @@ def fit(model, x, y, batch_size):
     return recorder.updates
 
 
+def low_precision(plain, x, y):
+    """`accumulator_dtype="bfloat16"` under the same distribution: each
+    large accumulator bfloat16 and sharded like its weight, the step's
+    state and temporaries, and how far its weights end from the plain
+    model's (`plain`, already trained)."""
+    low = model(keras_accum.AccumModel, accum_steps=K)
+    low.accumulator_dtype = "bfloat16"
+    low.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    fit(low, x, y, B)
+    analysis = compiled_step(low, x[:B], y[:B], donate=True).memory_analysis()
+    return {
+        "accumulators": [
+            {
+                "path": weight.path,
+                "dtype": str(acc.value.dtype),
+                "spec": list(acc.value.sharding.spec),
+                "shard_shape": list(
+                    acc.value.sharding.shard_shape(acc.value.shape)
+                ),
+            }
+            for weight, acc in zip(
+                low.trainable_variables, low.accumulators, strict=True
+            )
+        ],
+        "memory": {
+            field: int(getattr(analysis, f"{field}_size_in_bytes"))
+            for field in ("argument", "output", "alias", "temp")
+        },
+        "max_weight_diff": max(
+            float(np.abs(a - b).max())
+            for a, b in zip(low.get_weights(), plain.get_weights(), strict=True)
+        ),
+    }
+
+
 def main():
     keras.distribution.set_distribution(distribution())
     x, y = data()
@@ -157,6 +192,7 @@ def main():
                 compiled.as_text(),
             )
         ]
+    low = low_precision(plain, x, y)
     parameters = [
         {
             "bytes": int(np.prod(w.shape)) * 4,
@@ -175,6 +211,7 @@ def main():
         "collectives": collectives,
         "communication": communication,
         "parameters": parameters,
+        "low_precision": low,
     }
     print("RESULTS " + json.dumps(results))
 
