@@ -130,7 +130,9 @@ def summed_on_host(accumulator):
 
 
 def _sum_over_devices(value):
-    return value.sum(axis=0)
+    # In float32: bfloat16 partial sums would round once more. Saved so;
+    # a load rounds the sum to nearest into the first device's slot.
+    return value.astype(_window.ACC_DTYPE).sum(axis=0)
 
 
 def maps_over_devices(model, axis: BatchAxis, x) -> bool:

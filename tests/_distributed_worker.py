@@ -5,6 +5,7 @@ and multi-worker collectives must be configured before TensorFlow starts:
 
     python _distributed_worker.py mirrored
     python _distributed_worker.py mirrored auto
+    python _distributed_worker.py mirrored low_precision
     TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
     python _distributed_worker.py built_outside_the_scope
 
@@ -256,7 +257,48 @@ def built_outside_the_scope():
     return {"error": None, "message": ""}
 
 
+def low_precision_case():
+    """`accumulator_dtype="bfloat16"` under the strategy: each replica's
+    large accumulators bfloat16, rounded in its own XLA kernels inside
+    the graph step; near the plain model (not equal: it rounds)."""
+    x, y = regression_data(n=70, features=128)
+
+    def wide(model_cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((128,))
+        hidden = keras.layers.Dense(128, activation="tanh")(inputs)
+        return model_cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+    plain = wide(keras.Model)
+    start = [w.copy() for w in plain.get_weights()]
+    plain.compile(optimizer=optimizer("sgd_momentum"), loss="mse")
+    plain.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
+    with STRATEGY.scope():
+        model = wide(
+            keras_accum.AccumModel, accum_steps=K, accumulator_dtype="bfloat16"
+        )
+        model.compile(optimizer=optimizer("sgd_momentum"), loss="mse")
+    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    moved = float(np.abs(plain.get_weights()[0] - start[0]).max())
+    return {
+        "dtypes": [str(a.dtype) for a in model._window.acc_grads],
+        "accumulator_kind": type(model._window.acc_grads[0].value).__name__,
+        "updates": int(model.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "max_weight_diff": max(
+            float(np.abs(a - b).max())
+            for a, b in zip(
+                model.get_weights(), plain.get_weights(), strict=True
+            )
+        ),
+        "moved": moved,
+    }
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[2] == "low_precision":
+        print("RESULTS " + json.dumps(low_precision_case()), flush=True)
+        return
     if MODE == "built_outside_the_scope":
         print("RESULTS " + json.dumps(built_outside_the_scope()), flush=True)
         return

@@ -82,6 +82,15 @@ def test_auto_window_under_mirrored_strategy_replays_exactly(report_diff):
     assert result["grad_sq"] != 0.0 and result["trace"] > 0.0, result
 
 
+def test_bfloat16_accumulators_under_mirrored_strategy():
+    result = run_in_fresh_process([WORKER, "mirrored", "low_precision"], _env())
+    assert result["dtypes"] == ["bfloat16", "float32", "float32", "float32"]
+    assert result["accumulator_kind"] == "SyncOnReadVariable"
+    assert result["updates"] == result["plain_updates"] == 6
+    # Rounded: near the plain model's weights, not equal to them.
+    assert 0 < result["max_weight_diff"] < 2e-2 * result["moved"], result
+
+
 def test_a_model_built_outside_the_scope_is_refused_naming_the_fix():
     """Before: `fit` failed with a bare `AssertionError` from inside the
     optimizer's apply (plain Keras says `Need to be inside with

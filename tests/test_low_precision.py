@@ -395,3 +395,35 @@ def test_a_resumed_run_draws_the_same_bits_and_ends_bit_identical(tmp_path):
     assert int(
         keras.ops.convert_to_numpy(other._window.counters.rounding_seed)
     ) != int(keras.ops.convert_to_numpy(whole._window.counters.rounding_seed))
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="keras.distribution.DataParallel is JAX's",
+)
+def test_each_device_rounds_its_partial_sum_under_data_parallel():
+    import jax
+
+    x, y = _data(n=96)
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices())
+    )
+    try:
+        plain = _wide()
+        start = plain.get_weights()[0].copy()
+        plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        plain.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        model = _wide(
+            keras_accum.AccumModel, accum_steps=4, accumulator_dtype="bfloat16"
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    finally:
+        keras.distribution.set_distribution(None)
+    # Each of the 2 devices keeps its own bfloat16 partial sum.
+    acc = model._window.acc_grads[0]
+    assert tuple(acc.shape) == (2, WIDE, WIDE)
+    assert _dtypes(model) == ["bfloat16", "float32", "float32", "float32"]
+    moved = np.linalg.norm(plain.get_weights()[0] - start)
+    diff = np.linalg.norm(model.get_weights()[0] - plain.get_weights()[0])
+    assert 0 < diff <= 2e-2 * moved, (diff, moved)
