@@ -269,9 +269,15 @@ class TensorFlowOps(_window.WindowOps):
 
     def sum_of_squares(self, closing=True):
         # `closing` unread: the close runs in its conditional (`close_when`).
+        accs = self.state.acc_grads
         squares = _sum_of_squares(
-            [as_float32(acc.value) for acc in self.state.acc_grads], self.xla
+            [acc.value for acc in accs if not is_low(acc.dtype)], self.xla
         )
+        low = [acc.value for acc in accs if is_low(acc.dtype)]
+        if low:
+            # Widened to float32 inside one kernel each: a graph would make
+            # every float32 cast at once.
+            squares += tf.add_n([_fused_squares(value) for value in low])
         if self._divided_by is not None:
             # Of the window's sum, not of what `add` divided it into.
             squares = squares * tf.square(self._divided_by)
@@ -552,6 +558,12 @@ def _fused_quotient(acc, divisor):
     """`acc / divisor`, divided in float32, in `acc`'s dtype, in one XLA
     kernel (no float32 buffer)."""
     return tf.cast(as_float32(acc) / divisor, acc.dtype)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _fused_squares(acc):
+    """The sum of `acc`'s squares, in float32, in one XLA kernel."""
+    return tf.reduce_sum(tf.square(as_float32(acc)))
 
 
 def _value(value):

@@ -392,8 +392,10 @@ class TorchOps(_window.WindowOps):
         # `_window.sums_finite`'s test, on norms: one call for every
         # accumulator, and an inf or NaN still stays in the total. A large
         # finite total may overflow, and asks for the elementwise test.
-        norms = torch._foreach_norm([a.to(ACC) for a in self.accumulators], 2)
-        if bool(torch.isfinite(torch.stack(norms).sum())):
+        # A bfloat16 accumulator's norm as it is (float32's range): a cast
+        # of each would be a float32 copy of the model.
+        norms = torch._foreach_norm(self.accumulators, 2)
+        if bool(torch.isfinite(torch.stack([n.to(ACC) for n in norms]).sum())):
             return torch.tensor(True)
         return _window.all_finite(self.accumulators)
 
@@ -406,14 +408,13 @@ class TorchOps(_window.WindowOps):
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
         low = [is_low(acc.dtype) for acc in self.accumulators]
-        torch._foreach_div_(
-            [
-                a
-                for a, is_it in zip(self.accumulators, low, strict=True)
-                if not is_it
-            ],
-            divisor,
-        )
+        wide = [
+            a
+            for a, is_it in zip(self.accumulators, low, strict=True)
+            if not is_it
+        ]
+        if wide:
+            torch._foreach_div_(wide, divisor)
         quotients = []
         for acc, variable, is_it in zip(
             self.accumulators, self.variables, low, strict=True

@@ -141,7 +141,13 @@ def test_the_setting_survives_config_clone_conversion_and_saving(tmp_path):
     )
     config = wrapped.get_config()
     assert config["accumulator_dtype"] == "bfloat16"
+    # Before: the wrapped model's config dropped `micro_batch_size`.
     assert config["micro_batch_size"] == 8
+    revived = type(wrapped).from_config(
+        config, custom_objects={"Subclassed": Subclassed}
+    )
+    assert revived.micro_batch_size == 8
+    assert revived.accumulator_dtype == "bfloat16"
     x, y = _data()
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=16, verbose=0)
@@ -427,3 +433,32 @@ def test_each_device_rounds_its_partial_sum_under_data_parallel():
     moved = np.linalg.norm(plain.get_weights()[0] - start)
     diff = np.linalg.norm(model.get_weights()[0] - plain.get_weights()[0])
     assert 0 < diff <= 2e-2 * moved, (diff, moved)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_hand_computed_noise_scale_from_bfloat16_accumulators(jit_compile):
+    # `test_noise_scale.py`'s micro-batch gradients 1, 2, 3, 4, spread over
+    # a 1 x 16384 kernel as x / 16384 per element: every sum is exact in
+    # bfloat16, so the rounding keeps it, and the estimate is the float32
+    # one: tr = 5/3 and |G|² = 35/6 times the same scale, B = 2/7.
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        2**14, use_bias=False, kernel_initializer="ones"
+    )(inputs)
+    model = keras_accum.AccumModel(
+        inputs, outputs, accum_steps=4, accumulator_dtype="bfloat16"
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=lambda y_true, y_pred: keras.ops.mean(y_pred, axis=-1),
+        jit_compile=jit_compile and keras.backend.backend() != "torch",
+    )
+    logger = keras_accum.PseudoBatchLogger(noise_scale=True)
+    x = np.array([[1.0], [2.0], [3.0], [4.0]], "float32")
+    model.fit(x, x, batch_size=1, shuffle=False, verbose=0, callbacks=[logger])
+    assert _dtypes(model) == ["bfloat16"]
+    (update,) = logger.updates
+    scale = 2**14 * 2.0**-28  # elements times each one's squared factor
+    np.testing.assert_allclose(update.trace, 5 / 3 * scale, rtol=1e-6)
+    np.testing.assert_allclose(update.grad_sq, 35 / 6 * scale, rtol=1e-6)
+    np.testing.assert_allclose(logger.noise_scale_estimate, 2 / 7, rtol=1e-6)
