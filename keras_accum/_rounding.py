@@ -32,6 +32,11 @@ SMALL_WEIGHT = 2**14
 _DROPPED = 2**16
 # `0xFFFF0000` as an int32: keeps a float32's bfloat16 part.
 _KEEP_HIGH = -_DROPPED
+# The hash's constants, as int32: 0x9E3779B9 (the golden ratio's bits),
+# then lowbias32's multipliers 0x7FEB352D and 0x846CA68B.
+_GOLDEN = 0x9E3779B9 - 2**32
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B - 2**32
 
 
 class Draw(NamedTuple):
@@ -78,7 +83,7 @@ def rounded(total, bits):
     return ops.cast(ops.where(ops.isnan(total), total, kept), LOW_DTYPE)
 
 
-def random_bits(draw: Draw, index: int, shape, start=0):
+def random_bits(draw: Draw, index: int, shape):
     """Uniform int32 in [0, 2**16) of `shape`, for accumulator `index` in
     the micro-batch `draw` takes.
 
@@ -89,25 +94,13 @@ def random_bits(draw: Draw, index: int, shape, start=0):
     generator's bits, independent of the gradient, were made for every
     weight at the start of JAX's step (13.7 bytes per parameter of
     temporaries, against 4.0 for a plain step). The same draw gives the
-    same bits on every backend and every rerun. `start`: 0, as a tensor
-    computed at run time where a graph optimizer would otherwise fold the
-    positions into a constant held with the graph (TensorFlow's).
+    same bits on every backend and every rerun.
     """
     key = _mix(ops.cast(draw.count, "int32") * _GOLDEN + index)
-    key = _mix(ops.cast(draw.seed, "int32") ^ key)
-    size = math.prod(shape)
-    if isinstance(start, int):
-        position = ops.arange(size, dtype="int32")
-    else:
-        position = ops.arange(start, start + size, dtype="int32")
-    position = ops.reshape(position, shape)
-    return _shifted(_mix(_mix(position + key) ^ (key * _GOLDEN)), 16)
-
-
-# lowbias32 (Chris Wellons' integer hash constants), as int32.
-_GOLDEN = -1640531527  # 0x9E3779B9
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B - 2**32
+    key = _mix(ops.bitwise_xor(ops.cast(draw.seed, "int32"), key))
+    position = ops.reshape(ops.arange(math.prod(shape), dtype="int32"), shape)
+    hashed = _mix(ops.bitwise_xor(_mix(position + key), key * _GOLDEN))
+    return _shifted(hashed, 16)
 
 
 def _shifted(x, bits):
@@ -116,6 +109,7 @@ def _shifted(x, bits):
 
 
 def _mix(x):
+    # lowbias32, Chris Wellons' 32-bit integer hash, in int32.
     x = ops.bitwise_xor(x, _shifted(x, 16)) * _M1
     x = ops.bitwise_xor(x, _shifted(x, 15)) * _M2
     return ops.bitwise_xor(x, _shifted(x, 16))

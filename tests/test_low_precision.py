@@ -462,3 +462,46 @@ def test_hand_computed_noise_scale_from_bfloat16_accumulators(jit_compile):
     np.testing.assert_allclose(update.trace, 5 / 3 * scale, rtol=1e-6)
     np.testing.assert_allclose(update.grad_sq, 35 / 6 * scale, rtol=1e-6)
     np.testing.assert_allclose(logger.noise_scale_estimate, 2 / 7, rtol=1e-6)
+
+
+def _numpy_bits(seed, count, index, size):
+    """`_rounding.random_bits` written again in NumPy's uint32."""
+
+    def mix(x):
+        x = np.asarray(x, np.uint32)
+        x = (x ^ (x >> 16)) * np.uint32(0x7FEB352D)
+        x = (x ^ (x >> 15)) * np.uint32(0x846CA68B)
+        return x ^ (x >> 16)
+
+    with np.errstate(over="ignore"):
+        golden = np.uint32(0x9E3779B9)
+        key = mix(np.uint32(count) * golden + np.uint32(index))
+        key = mix(np.uint32(seed) ^ key)
+        position = np.arange(size, dtype=np.uint32)
+        return (mix(mix(position + key) ^ (key * golden)) >> 16).astype(int)
+
+
+def test_random_bits_are_uniform_and_the_same_on_every_backend():
+    draw = _rounding.Draw(
+        keras.ops.convert_to_tensor(np.int32(123456789)),
+        keras.ops.convert_to_tensor(np.int32(42)),
+    )
+    bits = keras.ops.convert_to_numpy(
+        _rounding.random_bits(draw, 3, (256, 512))
+    )
+    # Int32 arithmetic that wraps as uint32's: NumPy's uint32 agrees.
+    np.testing.assert_array_equal(
+        bits.ravel(), _numpy_bits(123456789, 42, 3, 256 * 512)
+    )
+    assert bits.min() >= 0 and bits.max() < 2**16
+    # Uniform: 64 bins of N / 64 expected each; chi-square with 63 degrees
+    # of freedom, far below its 99.99% point (about 113).
+    counts = np.bincount(bits.ravel() >> 10, minlength=64)
+    expected = bits.size / 64
+    assert ((counts - expected) ** 2 / expected).sum() < 113
+    # Neighbours and other draws uncorrelated.
+    flat = bits.ravel().astype(float)
+    assert abs(np.corrcoef(flat[:-1], flat[1:])[0, 1]) < 0.02
+    for other in ((123456789, 43, 3), (123456789, 42, 4), (7, 42, 3)):
+        different = _numpy_bits(*other, flat.size).astype(float)
+        assert abs(np.corrcoef(flat, different)[0, 1]) < 0.02
