@@ -316,3 +316,48 @@ def test_auto_micro_batch_script_smoke(tmp_path):
     assert 4 <= row["chosen"] < 32
     assert row["predicted_peak"] == row["measured_at_chosen"] <= row["limit"]
     assert row["measured_at_next"] > row["limit"]
+
+
+def test_low_precision_benchmark_runs(tmp_path):
+    # The sections run in a JAX process of the script's own, whatever
+    # backend the suite runs under.
+    out = tmp_path / "low_precision.json"
+    result = _script("bench_low_precision.py", "--quick", f"--json={out}")
+    report = json.loads(out.read_text())
+    assert report["quick"] is True
+    for row in report["bias"]["rows"]:
+        k = row["k"]
+        # float32 sums exactly; Keras's bfloat16 accumulators stagnate at
+        # 256 (256 + 0.5 rounds back to 256); stochastic rounding does not.
+        assert row["f32"]["mean_error"] == 0
+        assert row["keras"]["mean_error"] == -(k - 1) * 0.5
+        assert abs(row["bf16"]["mean_error"]) < 0.05 * (k - 1) * 0.5
+        assert row["bf16"]["std_error"] > 0
+    (row,) = report["error"]["rows"]
+    error = row["relative_error"]
+    # float32 accumulators: the float64 mean of the same gradients, to
+    # float32's rounding; bfloat16 sums: to bfloat16's (2**-8) or so.
+    assert error["f32"] < 1e-5
+    assert 0 < error["bf16"] < 0.05 and 0 < error["rtn"] < 0.05
+    assert error["large_bf16"] > error["f32"]
+    assert abs(row["along"]["f32"]) < 1e-5
+    rows = report["training"]["rows"]
+    assert {(r["model"], r["variant"]) for r in rows} == {
+        (m, v) for m in ("mlp", "lm") for v in ("f32", "bf16", "keras")
+    }
+    for row in rows:
+        metric = "eval_loss" if row["model"] == "lm" else "train_loss"
+        assert 0 < row[metric]["mean"] < 10
+    memory = {r["row"]: r for r in report["memory"]["rows"]}
+    per_param = {
+        name: r["accumulator_bytes_per_param"] for name, r in memory.items()
+    }
+    assert per_param["plain"] == per_param["large"] == 0
+    assert per_param["keras"] == 2 and per_param["f32"] == 4
+    # Half of float32's, but for the small weights' float32 accumulators.
+    assert 2 < per_param["bf16"] < 2.05
+    # JAX's compiled step: the bfloat16 accumulators add their own size.
+    extra = memory["bf16"]["jax"]["over_plain_per_param"]
+    assert 2 <= extra < 2.1
+    assert extra < memory["f32"]["jax"]["over_plain_per_param"]
+    assert "| AccumModel bfloat16 |" in result.stdout
