@@ -212,21 +212,25 @@ class AccumModel(_Trainer, keras.Model):
             16384 elements (`2**14`; smaller ones, biases and
             normalization scales, stay float32): each micro-batch's
             gradient is added in float32 and the sum stochastically
-            rounded to bfloat16, unbiased but no longer exact (about 2**-9
-            of a sum's magnitude per addition, averaging out over
-            micro-batches); the close divides in float32. See the guide
+            rounded to bfloat16: unbiased, but no longer exact (each
+            addition's error is random with mean zero; over a window of
+            `k` micro-batches about 2**-9 * sqrt(k) of the sum's
+            magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`, e.g. `name`.
 
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
-            dict, a callable, `"auto"` or an `AutoAccumSteps`, or
+            dict, a callable, `"auto"` or an `AutoAccumSteps`,
             `micro_batch_size` is neither None, an integer, `"auto"` nor
-            an `AutoMicroBatch`.
+            an `AutoMicroBatch`, or `accumulator_dtype` is neither None
+            nor a string.
         ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`,
             `micro_batch_size` is out of range or set beside an
-            `accum_steps` other than 1, an epoch schedule has no epoch 0
+            `accum_steps` other than 1, `accumulator_dtype` is a string
+            other than `"float32"` and `"bfloat16"`, an epoch schedule has
+            no epoch 0
             or a bad entry, `partial_window` is unknown, or
             (at `compile`) the optimizer has its own
             `gradient_accumulation_steps`.
