@@ -442,9 +442,11 @@ def test_tensorflow_bfloat16_accumulators_make_no_float32_copy(tmp_path):
     graph, xla = rows["graph"], rows["xla"]
     plain = graph["deep/plain_bf16"]["requested"]
     assert plain > 0.05  # at least a layer's gradient: the reading works
-    # At most the bfloat16 gradients of the whole model (0.5 P), as
-    # float32 accumulators may hold them; never a float32 copy (1 P).
-    assert graph["deep/low_bf16"]["requested"] <= 0.55
+    # Never a float32 copy of the weights (1 P; 1.08 P measured before).
+    # What it holds instead is the model's bfloat16 gradients (0.5 P), as
+    # float32 accumulators may, plus what the executor's order adds: 0.50
+    # to 0.59 P measured over CI runs.
+    assert graph["deep/low_bf16"]["requested"] <= 0.8
     assert (
         xla["deep/low_bf16"]["in_use"] <= xla["deep/accum_bf16"]["in_use"] + 0.1
     )
