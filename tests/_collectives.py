@@ -90,9 +90,9 @@ def collective_bytes(hlo: str) -> dict:
 
 
 def compiled_step(model, x, y, donate: bool = False):
-    """`model`'s train step (built, under the current `keras.distribution`)
-    jitted and compiled as `fit` compiles it, on `(x, y)`; with `donate`,
-    the state's buffers donated, as `fit` does."""
+    """`model`'s train step (built, under the current `keras.distribution`
+    or on one device) jitted and compiled as `fit` compiles it, on
+    `(x, y)`; with `donate`, the state's buffers donated, as `fit` does."""
     import jax
     import keras
 
@@ -102,7 +102,11 @@ def compiled_step(model, x, y, donate: bool = False):
         optimizer_variables=True,
         metrics_variables=True,
     )
-    layout = keras.distribution.distribution().get_data_layout
+    distribution = keras.distribution.distribution()
+    if distribution is None:  # One device: as `fit` jits it there.
+        step = jax.jit(model.train_step, donate_argnums=0 if donate else ())
+        return step.lower(state, (x, y)).compile()
+    layout = distribution.get_data_layout
     data = tuple(
         jax.device_put(a, layout(a.shape).backend_layout) for a in (x, y)
     )

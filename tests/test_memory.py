@@ -382,20 +382,15 @@ def test_jax_bfloat16_accumulators_add_two_bytes_a_parameter_and_no_temporary():
     """Before: the rounding's random bits, independent of the gradient,
     were made for every weight at the step's start (temporaries 13.7 bytes
     a parameter against 4.0 for a plain step, a 1024-wide MLP)."""
-    import jax
+    from _collectives import compiled_step
 
     models, x, y = _bfloat16_models()
-    analyses = {}
-    for name, model in models.items():
-        state = model._get_jax_state(
-            trainable_variables=True,
-            non_trainable_variables=True,
-            optimizer_variables=True,
-            metrics_variables=True,
-        )
-        step = jax.jit(model.train_step, donate_argnums=0)
-        analyses[name] = step.lower(state, (x[:16], y[:16])).compile()
-        analyses[name] = analyses[name].memory_analysis()
+    analyses = {
+        name: compiled_step(
+            model, x[:16], y[:16], donate=True
+        ).memory_analysis()
+        for name, model in models.items()
+    }
     large, small = _large_small(models["low"])
     window = {
         name: analyses[name].argument_size_in_bytes
