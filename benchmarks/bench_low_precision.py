@@ -27,7 +27,9 @@ own (the script itself with `--child`); the parent imports no Keras:
   trained), B = 32, k = 8: accumulator bytes per parameter, JAX's compiled
   step (`memory_analysis()`, exact), TensorFlow's allocator under XLA
   and under the graph executor (`TF_CPU_ALLOCATOR_USE_BFC=true`, a fresh
-  process per row) and PyTorch's state bytes (no CPU allocator peak).
+  process per row) and PyTorch's state bytes (no CPU allocator peak);
+  then the same MLP with float32 weights (float32 policy) and Adam, JAX's
+  compiled step, for the rows whose accumulators differ.
 
     python benchmarks/bench_low_precision.py                # ~15 min
     python benchmarks/bench_low_precision.py --training --data=PATH
@@ -87,6 +89,8 @@ MEMORY_ROWS = {
     "f32": "AccumModel float32",
     "bf16": "AccumModel bfloat16",
 }
+# With float32 weights: Keras's accumulators are float32 too, as ours.
+FLOAT32_ROWS = ("plain", "f32", "bf16")
 
 
 def _settings(quick):
@@ -561,9 +565,10 @@ def _training(job, settings, data_path):
 # -- Memory -------------------------------------------------------------------
 
 
-def _memory_model(row, widths, jit_compile):
-    """(model, x, y, batch, counts): a `MEMORY_ROWS` row of the bfloat16
-    MLP `widths` with Adam (weights and slots bfloat16), B·k samples."""
+def _memory_model(row, widths, jit_compile, policy="bfloat16"):
+    """(model, x, y, batch, counts): a `MEMORY_ROWS` row of the MLP
+    `widths` under `policy` with Adam (weights and slots bfloat16 under
+    the default policy), B·k samples."""
     import keras
     import numpy as np
 
@@ -577,7 +582,7 @@ def _memory_model(row, widths, jit_compile):
             jit_compile=jit_compile,
         )
 
-    model = _with_policy("bfloat16", build)
+    model = _with_policy(policy, build)
     rng = np.random.default_rng(0)
     n = B * MEMORY_K
     x = rng.standard_normal((n, widths[0])).astype("float32")
@@ -617,14 +622,14 @@ def _accumulators(model, row):
     return []
 
 
-def _memory_jax(settings):
+def _memory_jax(settings, policy="bfloat16"):
     """Every row's compiled step figures, in this one process (exact)."""
     import jax
 
     rows = {}
-    for row in MEMORY_ROWS:
+    for row in MEMORY_ROWS if policy == "bfloat16" else FLOAT32_ROWS:
         model, x, y, batch, counts = _memory_model(
-            row, settings["memory_mlp"], jit_compile=True
+            row, settings["memory_mlp"], jit_compile=True, policy=policy
         )
         model.fit(x, y, batch_size=batch, verbose=0, shuffle=False)
         state = model._get_jax_state(
@@ -708,6 +713,8 @@ def _child_job(job, settings, data_path):
         return _training(job, settings, data_path)
     if job == "memory:jax":
         return _memory_jax(settings)
+    if job == "memory:jax:float32":
+        return _memory_jax(settings, policy="float32")
     if job == "memory:torch":
         return _memory_torch(settings)
     if job.startswith("memory:tensorflow:"):
@@ -792,7 +799,7 @@ def _plan(args, sections, settings):
     backends = args.memory_backends.split(",")
     memory = "memory" in sections
     if memory and "jax" in backends:
-        jax_jobs.append(["memory:jax"])
+        jax_jobs.append(["memory:jax", "memory:jax:float32"])
     if args.quick and jax_jobs:
         jax_jobs = [[job for jobs in jax_jobs for job in jobs]]
     plan = [("jax", jobs) for jobs in jax_jobs]
@@ -846,14 +853,17 @@ def _training_rows(found):
     return rows
 
 
-def _memory_rows(found):
+def _memory_rows(found, policy="bfloat16"):
     """Per row: accumulator bytes and each backend's figures, also as
-    bytes per parameter over Model(B)."""
-    by = {
-        "jax": found.get("memory:jax", {}),
-        "torch": found.get("memory:torch", {}),
-    }
-    for mode in TF_MODES:
+    bytes per parameter over Model(B). With float32 weights, JAX's."""
+    if policy == "float32":
+        by = {"jax": found.get("memory:jax:float32", {})}
+    else:
+        by = {
+            "jax": found.get("memory:jax", {}),
+            "torch": found.get("memory:torch", {}),
+        }
+    for mode in TF_MODES if policy == "bfloat16" else ():
         by[f"tensorflow_{mode}"] = {
             row: found[f"memory:tensorflow:{row}:{mode}"]
             for row in MEMORY_ROWS
@@ -869,6 +879,8 @@ def _memory_rows(found):
 
     rows = []
     for row, label in MEMORY_ROWS.items():
+        if policy == "float32" and row not in FLOAT32_ROWS:
+            continue
         out = {"row": row, "label": label}
         for backend, figures in by.items():
             if row not in figures:
@@ -913,6 +925,14 @@ def _assemble(found, sections):
             / params,
             "rows": rows,
         }
+        if "memory:jax:float32" in found:
+            report["memory_float32"] = {
+                "model": report["memory"]["model"],
+                "micro_batch": B,
+                "k": MEMORY_K,
+                "optimizer": "Adam (float32 weights and slots)",
+                "rows": _memory_rows(found, policy="float32"),
+            }
     return report
 
 
@@ -1147,6 +1167,14 @@ def _markdown(report):
             f"### Memory, bfloat16 MLP {m['model']}, {m['optimizer']}, "
             f"B = {m['micro_batch']}, k = {m['k']}",
             notes["memory"],
+            *_memory_tables(m),
+        ]
+    if "memory_float32" in report:
+        m = report["memory_float32"]
+        parts += [
+            f"### Memory, float32 MLP {m['model']}, {m['optimizer']}, "
+            f"B = {m['micro_batch']}, k = {m['k']} (JAX)",
+            "As above, under the float32 policy: JAX's compiled step.",
             *_memory_tables(m),
         ]
     return "\n\n".join(parts) + "\n"

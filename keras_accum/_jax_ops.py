@@ -44,9 +44,10 @@ class JaxOps(_window.WindowOps):
         (the next micro-batch overwrites it): XLA then divides each
         accumulator into its own buffer, where a quotient of every weight
         alive until the apply would cost a copy of the weights. A
-        low-precision accumulator keeps its value and dtype."""
-        pairs = zip(window_gradients, accumulators, strict=True)
-        return [acc if is_low(acc.dtype) else grad for grad, acc in pairs]
+        low-precision accumulator's quotient is in its own dtype
+        (`quotient`): into its own buffer too."""
+        del accumulators
+        return list(window_gradients)
 
     def add(self, grads, weight, starting, sampled, draw=None):
         added = []
@@ -81,18 +82,14 @@ class JaxOps(_window.WindowOps):
         return _window.sum_of_squares(self.accumulators)
 
     def gradients(self, divisor):
-        # In float32, weight by weight (a low-precision sum is widened
-        # where it is divided).
-        return [
-            as_float32(acc) / divisor for acc in self._sums(self.accumulators)
-        ]
+        return [quotient(acc, divisor) for acc in self._sums(self.accumulators)]
 
     def apply(self, go, divisor):
         optimizer = self._optimizer
 
         def apply(trainable, optimizer_values, accumulators):
             window_gradients = [
-                as_float32(acc) / divisor for acc in self._sums(accumulators)
+                quotient(acc, divisor) for acc in self._sums(accumulators)
             ]
             grads = [
                 keras.ops.cast(g, value.dtype)
@@ -117,6 +114,19 @@ class JaxOps(_window.WindowOps):
             self.accumulators,
         )
         return self.optimizer_values[iterations_index(optimizer)]
+
+
+def quotient(total, divisor):
+    """The window's gradient from its sum `total`: divided in float32 and,
+    where `total` is low-precision, rounded to nearest back into its
+    dtype, whatever the weight's dtype (the optimizer widens it inside its
+    own update). A float32 quotient of every large weight would be alive
+    until the apply: with Adam, 4 bytes a parameter of temporaries, more
+    than the bfloat16 accumulators save (`tests/test_memory.py`)."""
+    value = as_float32(total) / divisor
+    if is_low(total.dtype):
+        return keras.ops.cast(value, total.dtype)
+    return value
 
 
 def only_if(condition, function, values):

@@ -291,24 +291,23 @@ class TensorFlowOps(_window.WindowOps):
             return [acc.value for acc in accs]
         if self.xla:
             # An assignment there costs XLA a copy of each accumulator:
-            # new quotients, then.
-            return [as_float32(acc.value) / divisor for acc in accs]
+            # new quotients, then, a low-precision one rounded to its dtype
+            # as below.
+            return [
+                tf.cast(as_float32(acc.value) / divisor, acc.dtype)
+                for acc in accs
+            ]
         # Into the accumulators: the optimizer then reads them, without a
         # new quotient per weight alive until the apply, which would cost
         # another copy of the weights at the update's peak. The noise
         # estimates and finiteness are read before this, and a window's
         # first micro-batch overwrites it. A low-precision accumulator is
-        # divided in float32: into itself where its weight is as narrow
-        # (the optimizer takes the quotient in the weight's dtype, rounded
-        # as this rounds it); else into a new float32 quotient, which
-        # rounded back into it would lose bits.
+        # divided in float32 and rounded to nearest into itself, whatever
+        # its weight's dtype (`_jax_ops.quotient` says why).
         quotients, previous = [], []
-        for acc, variable in zip(accs, self.variables, strict=True):
+        for acc in accs:
             if not is_low(acc.dtype):
                 acc.assign(acc.value / divisor)
-            elif _itemsize(variable.dtype) > _itemsize(acc.dtype):
-                quotients.append(as_float32(acc.value) / divisor)
-                continue
             else:
                 # In one kernel, one weight after another: the executor
                 # would otherwise make every float32 cast at once.
@@ -538,10 +537,6 @@ def _clip_across_replicas(optimizer, grads):
 def _weighted(grad, weight):
     value = tf.cast(grad, ACC_DTYPE)
     return value if weight is None else value * weight
-
-
-def _itemsize(dtype) -> int:
-    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
 
 
 @tf.function(jit_compile=True, autograph=False)

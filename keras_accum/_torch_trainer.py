@@ -415,21 +415,13 @@ class TorchOps(_window.WindowOps):
         ]
         if wide:
             torch._foreach_div_(wide, divisor)
-        quotients = []
-        for acc, variable, is_it in zip(
-            self.accumulators, self.variables, low, strict=True
-        ):
+        for acc, is_it in zip(self.accumulators, low, strict=True):
             if is_it:
-                # Divided in float32, one weight at a time: into the
-                # accumulator where the weight is as narrow (the optimizer
-                # takes the quotient in its dtype, rounded as this
-                # rounds it), else into a new float32 quotient, which
-                # rounded back would lose bits.
-                quotient = acc.to(ACC) / divisor
-                narrow = variable.value.dtype.itemsize <= acc.dtype.itemsize
-                acc = acc.copy_(quotient) if narrow else quotient
-            quotients.append(acc)
-        return quotients
+                # Divided in float32, one weight at a time, and rounded to
+                # nearest into the accumulator whatever the weight's dtype,
+                # as the other backends do (`_jax_ops.quotient`).
+                acc.copy_(acc.to(ACC) / divisor)
+        return list(self.accumulators)
 
     def apply(self, go, divisor):
         if bool(go):

@@ -361,3 +361,11 @@ def test_low_precision_benchmark_runs(tmp_path):
     assert 2 <= extra < 2.1
     assert extra < memory["f32"]["jax"]["over_plain_per_param"]
     assert "| AccumModel bfloat16 |" in result.stdout
+    # float32 weights: the bfloat16 accumulators still save their half.
+    f32 = {r["row"]: r["jax"] for r in report["memory_float32"]["rows"]}
+    assert set(f32) == {"plain", "f32", "bf16"}
+    saved = (
+        f32["f32"]["over_plain_per_param"] - f32["bf16"]["over_plain_per_param"]
+    )
+    assert saved >= 1.5, f32
+    assert "float32 MLP" in result.stdout
