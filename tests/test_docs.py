@@ -145,3 +145,12 @@ def test_no_absolute_path_of_a_machine_in_the_repository():
             continue
         found += [f"{name}: {m}" for m in pattern.findall(text)]
     assert found == []
+
+
+def test_readme_is_a_short_front_door_to_every_guide():
+    """The README is read first: at most 150 lines (it had grown to 167),
+    and it links every guide."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    for page in sorted((ROOT / "docs" / "guides").glob("*.md")):
+        assert f"(docs/guides/{page.name})" in text, page.name
