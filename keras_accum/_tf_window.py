@@ -25,6 +25,7 @@ rules are `_window.py`'s. What differs from the other backends:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
@@ -539,7 +540,37 @@ def _weighted(grad, weight):
     return value if weight is None else value * weight
 
 
-@tf.function(jit_compile=True, autograph=False)
+def _xla_kernel(function):
+    """`function` compiled by XLA, called with tensors only.
+
+    A `tf.distribute` variable handed to a `tf.function` is not an input:
+    its trace type (TensorFlow's `DistributedVariableTraceType`) compares
+    shape and dtype alone, and the trace captures the variable itself. A
+    kernel shared by every model then read and rounded into the first
+    model's accumulators of that shape on every later model's step (and
+    the same model's after a recompile): wrong sums, silently. Each
+    variable is read here instead, in the caller's replica context, so
+    that a kernel's traces hold nothing of any model.
+    """
+    compiled = tf.function(function, jit_compile=True, autograph=False)
+
+    @functools.wraps(function)
+    def call(*args):
+        return compiled(*tf.nest.map_structure(_tensor, args))
+
+    return call
+
+
+def _tensor(value):
+    """`value`, a variable read as a tensor (this replica's copy)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if isinstance(value, tf.Variable):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+@_xla_kernel
 def _fused_rounding(acc, grad, weighting, draw, index):
     """`acc + grad * weight` (`grad * weight` where `starting`; `weighting`
     is `(weight, starting)`) in float32, stochastically rounded to `acc`'s
@@ -550,14 +581,14 @@ def _fused_rounding(acc, grad, weighting, draw, index):
     return rounded(total, random_bits(draw, index, acc.shape))
 
 
-@tf.function(jit_compile=True, autograph=False)
+@_xla_kernel
 def _fused_quotient(acc, divisor):
     """`acc / divisor`, divided in float32, in `acc`'s dtype, in one XLA
     kernel (no float32 buffer)."""
     return tf.cast(as_float32(acc) / divisor, acc.dtype)
 
 
-@tf.function(jit_compile=True, autograph=False)
+@_xla_kernel
 def _fused_squares(acc):
     """The sum of `acc`'s squares, in float32, in one XLA kernel."""
     return tf.reduce_sum(tf.square(as_float32(acc)))

@@ -257,18 +257,20 @@ def built_outside_the_scope():
     return {"error": None, "message": ""}
 
 
+def wide(model_cls, seed=1, **kwargs):
+    """128 -> 128 -> 3: the first kernel (16384 weights) gets a bfloat16
+    accumulator, the rest float32 ones."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((128,))
+    hidden = keras.layers.Dense(128, activation="tanh")(inputs)
+    return model_cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
 def low_precision_case():
     """`accumulator_dtype="bfloat16"` under the strategy: each replica's
     large accumulators bfloat16, rounded in its own XLA kernels inside
     the graph step; near the plain model (not equal: it rounds)."""
     x, y = regression_data(n=70, features=128)
-
-    def wide(model_cls, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((128,))
-        hidden = keras.layers.Dense(128, activation="tanh")(inputs)
-        return model_cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
-
     plain = wide(keras.Model)
     start = [w.copy() for w in plain.get_weights()]
     plain.compile(optimizer=optimizer("sgd_momentum"), loss="mse")
@@ -292,7 +294,82 @@ def low_precision_case():
             )
         ),
         "moved": moved,
+        "windows": low_precision_windows(),
     }
+
+
+def low_precision_windows():
+    """Models traced after `low_precision_case`'s: a second one, a third,
+    and the second recompiled (a fine-tuning's freeze, fit, unfreeze,
+    compile). Each one's window of bfloat16 accumulators against a twin
+    with float32 ones, from the same weights on the same micro-batches,
+    and the update it closes with against the plain model at batch
+    B * K. Before the fix, the XLA kernels kept the first model's
+    accumulators, and added every later model's micro-batches to them."""
+    x, y = regression_data(n=B * K, features=128)
+    carry = dict(accum_steps=K, partial_window="carry")
+    with STRATEGY.scope():
+        models = {
+            "second": wide(
+                keras_accum.AccumModel,
+                seed=2,
+                accumulator_dtype="bfloat16",
+                **carry,
+            ),
+            "third": wide(
+                keras_accum.AccumModel,
+                seed=3,
+                accumulator_dtype="bfloat16",
+                **carry,
+            ),
+            "twin": wide(keras_accum.AccumModel, **carry),
+        }
+        for model in models.values():
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain = wide(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    twin = models["twin"]
+    results = []
+    for label in ("second", "third", "second, recompiled"):
+        model = models[label.split(",")[0]]
+        if label.endswith("recompiled"):
+            with STRATEGY.scope():
+                model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        start = model.get_weights()
+        twin.set_weights(start)
+        plain.set_weights(start)
+        # K - 1 micro-batches: a window left open in both.
+        opened = slice(0, B * (K - 1))
+        for each in (model, twin):
+            each.fit(x[opened], y[opened], batch_size=B, verbose=0)
+        low = model.accumulators[0].numpy().astype("float32")
+        exact = twin.accumulators[0].numpy()
+        opened = [model.mini_step, twin.mini_step]
+        # The last micro-batch closes the window: one update.
+        last = slice(B * (K - 1), B * K)
+        for each in (model, twin):
+            each.fit(x[last], y[last], batch_size=B, verbose=0)
+        plain.fit(x, y, batch_size=B * K, verbose=0)
+        expected = plain.get_weights()[0]
+        results.append(
+            {
+                "model": label,
+                "open": opened,
+                "window_norm": float(np.linalg.norm(exact)),
+                "window_error": float(
+                    np.linalg.norm(low - exact) / np.linalg.norm(exact)
+                ),
+                "updates": int(model.optimizer.iterations.numpy()),
+                "moved": float(np.linalg.norm(expected - start[0])),
+                "update_error": float(
+                    np.linalg.norm(model.get_weights()[0] - expected)
+                ),
+                "twin_update_error": float(
+                    np.linalg.norm(twin.get_weights()[0] - expected)
+                ),
+            }
+        )
+    return results
 
 
 def main():
