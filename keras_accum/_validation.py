@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
+import reprlib
 
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps, AutoMicroBatch
 
@@ -176,3 +178,42 @@ def check_split_mode(accum_steps: object, micro_batch_size) -> None:
 def steps_for_epoch(schedule: dict, epoch: int) -> int:
     """The window length an epoch schedule gives `epoch`."""
     return schedule[max(e for e in schedule if e <= epoch)]
+
+
+def check_keywords(
+    owner: str,
+    given: dict,
+    ours: tuple[str, ...],
+    theirs: tuple[str, ...] = (),
+) -> None:
+    """Refuses keyword arguments `given` to `owner` that are neither
+    `ours` nor `theirs` (what it passes on to Keras), naming each and the
+    nearest accepted name. Keras's functional `Model` ignores unknown
+    keywords, so a misspelt `accum_step=8` would train at 1."""
+    unknown = [name for name in given if name not in (*ours, *theirs)]
+    if not unknown:
+        return
+    shown = ", ".join(f"{name}={reprlib.repr(given[name])}" for name in unknown)
+    hints = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(name, ours, n=1) or (
+            difflib.get_close_matches(name, theirs, n=1)
+        )
+        if nearest:
+            hints.append((name, nearest[0]))
+    if len(hints) == 1 and len(unknown) == 1:
+        hint = f" Did you mean `{hints[0][1]}`?"
+    else:
+        hint = "".join(
+            f" Did you mean `{near}` for `{name}`?" for name, near in hints
+        )
+    listed = ", ".join(f"`{name}`" for name in ours)
+    passed = (
+        f"; and `keras.Model`'s: {', '.join(f'`{n}`' for n in theirs)}"
+        if theirs
+        else ""
+    )
+    raise ValueError(
+        f"Unrecognized keyword argument(s) for `{owner}`: {shown}.{hint} "
+        f"It takes {listed}{passed}."
+    )

@@ -27,6 +27,7 @@ from keras_accum._compat import (
     functional_like_constructor,
     make_functional,
     model_being_cloned,
+    model_keywords,
 )
 from keras_accum._files import replaced_whole
 from keras_accum._schedules import (
@@ -36,6 +37,7 @@ from keras_accum._schedules import (
 from keras_accum._validation import (
     check_accum_schedule,
     check_accumulator_dtype,
+    check_keywords,
     check_micro_batch_size,
     check_partial_window,
     check_split_mode,
@@ -68,6 +70,20 @@ elif keras.backend.backend() == "jax":
     from keras_accum._jax_trainer import JaxAccumTrainer as _Trainer
 else:
     from keras_accum._torch_trainer import TorchAccumTrainer as _Trainer
+
+
+def _refusing_unknown_keywords(method):
+    """`method` (`from_model`), refusing a keyword it does not take as the
+    constructor does: naming it and the nearest it takes."""
+    parameters = tuple(inspect.signature(method).parameters)[1:]
+
+    @functools.wraps(method)
+    def checked(cls, *args, **kwargs):
+        check_keywords(f"AccumModel.{method.__name__}", kwargs, parameters)
+        return method(cls, *args, **kwargs)
+
+    return checked
+
 
 # An int, a schedule by epoch `{epoch: steps}`, a callable of the update
 # count, or `"auto"` / an `AutoAccumSteps`.
@@ -218,7 +234,8 @@ class AccumModel(_Trainer, keras.Model):
             magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
-        **kwargs: Passed to `keras.Model`, e.g. `name`.
+        **kwargs: Passed to `keras.Model`: those it takes (`name`,
+            `trainable`, `dtype`, ...); any other is refused.
 
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
@@ -226,7 +243,10 @@ class AccumModel(_Trainer, keras.Model):
             `micro_batch_size` is neither None, an integer, `"auto"` nor
             an `AutoMicroBatch`, or `accumulator_dtype` is neither None
             nor a string.
-        ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`,
+        ValueError: If a keyword argument is neither one of the above
+            nor one `keras.Model` takes (the message names the nearest:
+            `accum_step=8` would otherwise be ignored by a functional
+            model), or `accum_steps < 1` or `accum_steps >= 2**31`,
             `micro_batch_size` is out of range or set beside an
             `accum_steps` other than 1, `accumulator_dtype` is a string
             other than `"float32"` and `"bfloat16"`, an epoch schedule has
@@ -268,6 +288,14 @@ class AccumModel(_Trainer, keras.Model):
         accumulator_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
+        # Before Keras sees them: a functional model ignores keywords it
+        # does not know, so a misspelt setting would train without it.
+        check_keywords(
+            _shown_name(type(self)),
+            kwargs,
+            _OWN_KEYWORDS,
+            model_keywords(),
+        )
         source = model_being_cloned()
         if isinstance(source, AccumModel):
             # `clone_model` passes only `(inputs, outputs, name)`: without
@@ -313,6 +341,7 @@ class AccumModel(_Trainer, keras.Model):
     # -- Public surface -------------------------------------------------------
 
     @classmethod
+    @_refusing_unknown_keywords
     def from_model(
         cls,
         model: keras.Model,
@@ -354,8 +383,9 @@ class AccumModel(_Trainer, keras.Model):
         Raises:
             TypeError: If `model` is not a `keras.Model` or `accum_steps` is
                 not an integer (a bool included), a dict or a callable.
-            ValueError: If `model` is not built, or `accum_steps` or
-                `partial_window` is out of range.
+            ValueError: If `model` is not built, `accum_steps` or
+                `partial_window` is out of range, or a keyword argument is
+                not one of the above (the message names the nearest).
 
         Example:
 
@@ -771,6 +801,22 @@ class _FunctionalAccumModel(AccumModel, Functional):
                 "weights, as `clone_model` gives)."
             )
         return super()._run_through_graph(*args, **kwargs)
+
+
+# The constructor's own keyword arguments, named in its errors.
+_OWN_KEYWORDS = tuple(
+    name
+    for name, parameter in inspect.signature(
+        AccumModel.__init__
+    ).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY
+)
+
+
+def _shown_name(cls) -> str:
+    """`cls`'s name in messages: `AccumModel` for the package's own
+    classes (`_FunctionalAccumModel`, `_WrappedAccumModel`)."""
+    return "AccumModel" if cls.__module__ == __name__ else cls.__name__
 
 
 @functools.cache

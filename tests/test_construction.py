@@ -330,3 +330,111 @@ def test_clone_model_of_a_keras_hub_style_subclass_says_how():
     clone = Backbone.from_config(model.get_config())
     assert type(clone) is Backbone
     assert clone.accum_steps == 3
+
+
+# -- Keyword arguments --------------------------------------------------------
+
+
+def _functional_config(**changes):
+    config = AccumModel(*_dense_graph(), accum_steps=K).get_config()
+    config.update(changes)
+    return config
+
+
+def _misspelt(config, right, wrong):
+    config = dict(config)
+    config[wrong] = config.pop(right)
+    return config
+
+
+_MISSPELT = {
+    "functional": lambda **kw: AccumModel(*_dense_graph(), **kw),
+    "custom_fit_subclass": lambda **kw: CustomModel(*_dense_graph(), **kw),
+    "subclassing": lambda **kw: AccumNet(**kw),
+    "keras_hub_style": lambda **kw: Backbone(**kw),
+    "from_sequential": lambda **kw: AccumModel.from_model(
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]), **kw
+    ),
+    "from_subclassed": lambda **kw: AccumModel.from_model(
+        _built(PlainNet(), np.zeros((1, 5), "float32")), **kw
+    ),
+    "from_config": lambda **kw: AccumModel.from_config(
+        _functional_config(**kw)
+    ),
+    "subclass_from_config": lambda **kw: AccumNet.from_config(
+        {**AccumNet(accum_steps=K).get_config(), **kw}
+    ),
+    "wrapped_from_config": lambda **kw: _wrapped_class().from_config(
+        {**_wrapped().get_config(), **kw},
+        custom_objects={"PlainNet": PlainNet},
+    ),
+}
+
+
+def _wrapped():
+    return AccumModel.from_model(
+        _built(PlainNet(), np.zeros((1, 5), "float32")), accum_steps=K
+    )
+
+
+def _wrapped_class():
+    return type(_wrapped())
+
+
+@pytest.mark.parametrize("way", sorted(_MISSPELT))
+@pytest.mark.parametrize(
+    "wrong, right",
+    [("accum_step", "accum_steps"), ("micro_batchsize", "micro_batch_size")],
+)
+def test_a_misspelt_setting_is_refused_naming_the_nearest(way, wrong, right):
+    """Before: a functional `AccumModel` (and `from_config`) ignored it and
+    trained at `accum_steps=1`; a subclass got Keras's error without the
+    hint, `from_model` Python's `TypeError`."""
+    owner = {
+        "subclassing": "AccumNet",
+        "subclass_from_config": "AccumNet",
+        "keras_hub_style": "Backbone",
+        "custom_fit_subclass": "CustomModel",
+        "from_sequential": "AccumModel.from_model",
+        "from_subclassed": "AccumModel.from_model",
+    }.get(way, "AccumModel")
+    match = (
+        rf"Unrecognized keyword argument\(s\) for `{owner}`: {wrong}=8\. "
+        rf"Did you mean `{right}`\?"
+    )
+    with pytest.raises(ValueError, match=match):
+        _MISSPELT[way](**{wrong: 8})
+
+
+def test_several_unknown_keywords_are_all_named():
+    with pytest.raises(ValueError) as error:
+        AccumModel(*_dense_graph(), accum_step=8, colour="red", nme="x")
+    message = str(error.value)
+    assert "accum_step=8, colour='red', nme='x'." in message
+    assert "Did you mean `accum_steps` for `accum_step`?" in message
+    assert "Did you mean `name` for `nme`?" in message
+    assert "colour`?" not in message
+
+
+def test_keras_keywords_still_pass_at_every_way_in(tmp_path):
+    functional = AccumModel(
+        *_dense_graph(), accum_steps=K, name="f", trainable=False
+    )
+    assert (functional.name, functional.trainable) == ("f", False)
+    subclassed = AccumNet(accum_steps=K, name="s", dtype="float32")
+    assert subclassed.name == "s"
+    hub = Backbone(hidden=4, name="b", accum_steps=2)
+    assert (hub.name, hub.accum_steps) == ("b", 2)
+    # Configs and files made by this version and by earlier ones (the same
+    # keys: the settings were only ever added) revive.
+    for model in (functional, subclassed, hub, _wrapped()):
+        config = model.get_config()
+        revived = type(model).from_config(
+            config, **({} if model is hub else {"custom_objects": {}})
+        )
+        assert revived.accum_steps == model.accum_steps
+    old_style = _functional_config()
+    del old_style["accumulator_dtype"], old_style["micro_batch_size"]
+    assert AccumModel.from_config(old_style).accum_steps == K
+    functional.save(tmp_path / "f.keras")
+    assert keras.saving.load_model(tmp_path / "f.keras").accum_steps == K
