@@ -85,6 +85,10 @@ def _refusing_unknown_keywords(method):
     return checked
 
 
+# A dtype's name, or an object Keras reads as one (`np.float32`,
+# `tf.bfloat16`, `torch.bfloat16`, `ml_dtypes.bfloat16`).
+DTypeLike = str | Any
+
 # An int, a schedule by epoch `{epoch: steps}`, a callable of the update
 # count, or `"auto"` / an `AutoAccumSteps`.
 AccumSteps = int | dict | Callable | str | AutoAccumSteps
@@ -221,7 +225,9 @@ class AccumModel(_Trainer, keras.Model):
             both sizes: the update is the same, only slower. Not with an
             `accum_steps` other than 1. See the guide "Batches that fit".
             Defaults to `None` (each batch a micro-batch).
-        accumulator_dtype: None, `"float32"` or `"bfloat16"`. The dtype the
+        accumulator_dtype: None, `"float32"` or `"bfloat16"` (or a dtype
+            object `keras.backend.standardize_dtype` reads as one of them,
+            e.g. `np.float32`, `tf.bfloat16`, `torch.bfloat16`). The dtype the
             gradients are summed in. None (or `"float32"`) keeps float32
             accumulators: exact, whatever the weights' dtype.
             `"bfloat16"` halves their memory for every weight of at least
@@ -241,8 +247,8 @@ class AccumModel(_Trainer, keras.Model):
         TypeError: If `accum_steps` is not an integer (a bool included), a
             dict, a callable, `"auto"` or an `AutoAccumSteps`,
             `micro_batch_size` is neither None, an integer, `"auto"` nor
-            an `AutoMicroBatch`, or `accumulator_dtype` is neither None
-            nor a string.
+            an `AutoMicroBatch`, or `accumulator_dtype` is neither None,
+            a string nor a dtype.
         ValueError: If a keyword argument is neither one of the above
             nor one `keras.Model` takes (the message names the nearest:
             `accum_step=8` would otherwise be ignored by a functional
@@ -285,7 +291,7 @@ class AccumModel(_Trainer, keras.Model):
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
-        accumulator_dtype: str | None = None,
+        accumulator_dtype: DTypeLike | None = None,
         **kwargs: Any,
     ) -> None:
         # Before Keras sees them: a functional model ignores keywords it
@@ -348,7 +354,7 @@ class AccumModel(_Trainer, keras.Model):
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
-        accumulator_dtype: str | None = None,
+        accumulator_dtype: DTypeLike | None = None,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -499,22 +505,23 @@ class AccumModel(_Trainer, keras.Model):
     def accumulator_dtype(self) -> str | None:
         """The dtype the gradients are summed in: None (float32) or
         `"bfloat16"` (weights of at least 16384 elements; see
-        `AccumModel`). Setting it applies from the next `compile()`: the
-        window's accumulators are made once per compile."""
+        `AccumModel`).
+
+        Set it to None, `"float32"` or `"bfloat16"`, or a dtype object
+        `keras.backend.standardize_dtype` reads as one of them
+        (`np.float32`, `tf.bfloat16`, `torch.bfloat16`, `jnp.bfloat16`);
+        it keeps the name. It applies from the next window: where the
+        accumulators exist (since a `fit`, `evaluate` or `load_weights`)
+        they are made anew in the new dtype, and the window's counters
+        (epoch, `skipped_windows`, `"auto"`'s controller, the log) are
+        kept. Between windows only: a window still open
+        (`mini_step > 0`) is refused (apply it first with
+        `apply_partial_window()`)."""
         return self._accumulator_dtype
 
     @accumulator_dtype.setter
-    def accumulator_dtype(self, value: str | None) -> None:
-        value = check_accumulator_dtype(value)
-        if value != self._accumulator_dtype and self._window is not None:
-            raise ValueError(
-                "`accumulator_dtype` cannot change once the window's "
-                "accumulators exist (after the first `fit` since "
-                "`compile()`): call `compile()` again first, which drops "
-                "the open window. Received: "
-                f"accumulator_dtype={value!r}"
-            )
-        self._configure(accumulator_dtype=value, traced=True)
+    def accumulator_dtype(self, value: Any) -> None:
+        self._set_accumulator_dtype(check_accumulator_dtype(value))
 
     @property
     def micro_batch_choices(self) -> list[dict]:
