@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
 from keras import ops
 
 from keras_accum.auto import AutoAccumSteps
@@ -169,10 +170,26 @@ def next_length(current, ideal, config: AutoAccumSteps):
     if config.shrink:
         outside = ops.logical_or(outside, ideal <= now / HYSTERESIS)
     bounded = ops.clip(ideal, now / MAX_CHANGE, now * MAX_CHANGE)
-    bounded = ops.clip(
-        ops.round(bounded), float(config.min_steps), float(config.max_steps)
+    # The upper bound as float32 rounded down, not to nearest: 2**31 - 1
+    # rounds up to 2**31, which does not fit int32 (TensorFlow and PyTorch
+    # cast it to -2**31, XLA saturates). The bound itself is given as an
+    # int, so a length at the float32 bound is `max_steps` exactly.
+    top = float32_at_most(config.max_steps)
+    bounded = ops.clip(ops.round(bounded), float(config.min_steps), top)
+    length = ops.where(
+        bounded >= top,
+        ops.convert_to_tensor(config.max_steps, "int32"),
+        ops.cast(bounded, "int32"),
     )
-    return ops.where(outside, ops.cast(bounded, "int32"), current)
+    return ops.where(outside, length, current)
+
+
+def float32_at_most(value: int) -> float:
+    """The largest float32 not above the integer `value`."""
+    rounded = np.float32(value)
+    if int(rounded) > value:
+        rounded = np.nextafter(rounded, np.float32(0))
+    return float(rounded)
 
 
 def _float(value):

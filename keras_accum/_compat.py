@@ -8,6 +8,8 @@ one the test suite ran on (the newest in CI, the oldest in `.ci/compat`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import re
 import sys
 import warnings
@@ -109,6 +111,7 @@ __all__ = [
     "get_keras_mask",
     "is_nnx_enabled",
     "make_functional",
+    "model_keywords",
     "model_being_cloned",
     "optimizer_strategy",
     "print_msg",
@@ -153,6 +156,28 @@ def called_by_clone_model() -> bool:
     """Whether the caller of the function that calls this is
     `_clone_functional_model` (it runs the source model's graph)."""
     return _clone_frame(depth=2) is not None
+
+
+@functools.cache
+def model_keywords() -> tuple[str, ...]:
+    """The keyword arguments `keras.Model.__init__` takes, in order.
+
+    Those of `keras.layers.Layer.__init__` (a subclassed model's, which
+    refuses others) and of `Functional.__init__` (a functional model's,
+    which ignores others), read from their signatures, and the two that
+    `Layer.__init__` takes from its `**kwargs` (`input_dim`,
+    `input_shape`).
+    """
+    names = {}
+    for init in (keras.layers.Layer.__init__, Functional.__init__):
+        for parameter in inspect.signature(init).parameters.values():
+            if parameter.name != "self" and parameter.kind in (
+                parameter.POSITIONAL_OR_KEYWORD,
+                parameter.KEYWORD_ONLY,
+            ):
+                names[parameter.name] = None
+    names.update(dict.fromkeys(("input_dim", "input_shape")))
+    return tuple(names)
 
 
 def make_functional(cls, accum_cls, functional_cls):

@@ -27,6 +27,7 @@ from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
+from keras_accum._window_fields import FIELDS
 from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
 from keras_accum._window_saving import WindowRules, warn_if_lora_reset
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
@@ -139,6 +140,48 @@ class AccumTrainer:
             self.train_function = None
             if getattr(self, "_life", None) is not None:
                 self._life.flush_function = None
+
+    def _set_accumulator_dtype(self, value) -> None:
+        """Sets `accumulator_dtype` (checked by the caller). A window state
+        that exists (made by `fit`, `evaluate` or `load_weights`) gets new
+        accumulators in it and keeps its counters; an open window is
+        refused, its sum being in the old accumulators."""
+        if value == self._accumulator_dtype:
+            return
+        window = self._window
+        if window is not None:
+            open_steps = read_int(window.counters.mini_step)
+            if open_steps > 0:
+                raise ValueError(
+                    "`accumulator_dtype` cannot change while a window is "
+                    f"open ({open_steps} micro-batch(es) summed in the "
+                    "current accumulators): call `apply_partial_window()` "
+                    "first. Received: "
+                    f"accumulator_dtype={value!r}"
+                )
+        self._configure(accumulator_dtype=value, traced=True)
+        if window is not None:
+            self._remake_window(window)
+
+    def _remake_window(self, old) -> None:
+        """A new window state in place of `old`, whose window is closed:
+        new accumulators, `old`'s counters (the window's totals are zero
+        between windows; a new rounding seed where the new one rounds)."""
+        counters = {
+            field.name: read_array(old.counters.get(field.name))
+            for field in FIELDS
+            if not field.summed
+        }
+        life = self._life
+        life.epoch = int(counters["epoch"])
+        life.steps_per_epoch = int(counters["steps_per_epoch"])
+        self._window = None
+        self._ensure_window()
+        new = self._window
+        if new.rounds:
+            del counters["rounding_seed"]
+        for name, value in counters.items():
+            new.counters.get(name).assign(value)
 
     def _reset_window_state(self):
         old = getattr(self, "_life", None)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
+import reprlib
+
+import keras
 
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps, AutoMicroBatch
 
@@ -131,28 +135,41 @@ ACCUMULATOR_DTYPES = (None, "float32", "bfloat16")
 def check_accumulator_dtype(accumulator_dtype: object) -> str | None:
     """Returns `accumulator_dtype` as the model keeps it: None (float32
     accumulators, which `"float32"` also means) or `"bfloat16"`; or
-    raises naming the value."""
+    raises naming the value. A dtype object is read as Keras reads one
+    (`keras.backend.standardize_dtype`: `np.float32`, `tf.bfloat16`,
+    `torch.bfloat16`, ...)."""
     if accumulator_dtype is None:
         return None
-    if not isinstance(accumulator_dtype, str):
+    expected = (
+        '`accumulator_dtype` must be None, "float32" or "bfloat16" (or a '
+        "dtype object of one of them, e.g. `np.float32`)"
+    )
+    # Numbers: Keras would refuse them too, but `True` or `16` is a
+    # wrong type, not a wrong dtype name.
+    name = None
+    if not isinstance(accumulator_dtype, (bool, numbers.Number)):
+        try:
+            name = keras.backend.standardize_dtype(accumulator_dtype)
+        except (ValueError, TypeError):
+            name = None
+    if name is None and not isinstance(accumulator_dtype, str):
         raise TypeError(
-            '`accumulator_dtype` must be None, "float32" or "bfloat16". '
-            f"Received: accumulator_dtype={accumulator_dtype!r} "
+            f"{expected}. Received: accumulator_dtype={accumulator_dtype!r} "
             f"(of type {type(accumulator_dtype).__name__})"
         )
-    if accumulator_dtype not in ACCUMULATOR_DTYPES:
+    if name is None or name not in ACCUMULATOR_DTYPES:
         why = ""
-        if accumulator_dtype in ("float16", "half"):
+        if name == "float16" or accumulator_dtype == "half":
             why = (
                 " (float16 accumulators are not offered: their range "
                 "loses small gradients to underflow and large sums to "
                 "overflow)"
             )
         raise ValueError(
-            '`accumulator_dtype` must be None, "float32" or "bfloat16"'
-            f"{why}. Received: accumulator_dtype={accumulator_dtype!r}"
+            f"{expected}{why}. "
+            f"Received: accumulator_dtype={accumulator_dtype!r}"
         )
-    return None if accumulator_dtype == "float32" else accumulator_dtype
+    return None if name == "float32" else name
 
 
 def check_split_mode(accum_steps: object, micro_batch_size) -> None:
@@ -176,3 +193,42 @@ def check_split_mode(accum_steps: object, micro_batch_size) -> None:
 def steps_for_epoch(schedule: dict, epoch: int) -> int:
     """The window length an epoch schedule gives `epoch`."""
     return schedule[max(e for e in schedule if e <= epoch)]
+
+
+def check_keywords(
+    owner: str,
+    given: dict,
+    ours: tuple[str, ...],
+    theirs: tuple[str, ...] = (),
+) -> None:
+    """Refuses keyword arguments `given` to `owner` that are neither
+    `ours` nor `theirs` (what it passes on to Keras), naming each and the
+    nearest accepted name. Keras's functional `Model` ignores unknown
+    keywords, so a misspelt `accum_step=8` would train at 1."""
+    unknown = [name for name in given if name not in (*ours, *theirs)]
+    if not unknown:
+        return
+    shown = ", ".join(f"{name}={reprlib.repr(given[name])}" for name in unknown)
+    hints = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(name, ours, n=1) or (
+            difflib.get_close_matches(name, theirs, n=1)
+        )
+        if nearest:
+            hints.append((name, nearest[0]))
+    if len(hints) == 1 and len(unknown) == 1:
+        hint = f" Did you mean `{hints[0][1]}`?"
+    else:
+        hint = "".join(
+            f" Did you mean `{near}` for `{name}`?" for name, near in hints
+        )
+    listed = ", ".join(f"`{name}`" for name in ours)
+    passed = (
+        f"; and `keras.Model`'s: {', '.join(f'`{n}`' for n in theirs)}"
+        if theirs
+        else ""
+    )
+    raise ValueError(
+        f"Unrecognized keyword argument(s) for `{owner}`: {shown}.{hint} "
+        f"It takes {listed}{passed}."
+    )

@@ -15,6 +15,7 @@ import math
 import numbers
 
 import keras
+import numpy as np
 
 from keras_accum._window_fields import INT_MAX
 
@@ -72,13 +73,15 @@ class AutoAccumSteps:
         min_steps: Integer >= 2. The first window's length and the
             shortest. A window of one micro-batch cannot measure the noise
             scale, so the controller needs two. Defaults to `2`.
-        max_steps: Integer >= `min_steps`. The longest window. Defaults to
-            `64`.
-        batch_fraction: Positive float. The window's batch aims at this
+        max_steps: Integer from `min_steps` to 2**31 - 1 (the window
+            counts in int32). The longest window. Defaults to `64`.
+        batch_fraction: Positive float, one that float32 holds (from
+            about 1.2e-38 to 3.4e38). The window's batch aims at this
             fraction of B_simple. Defaults to `0.1` (see the guide: on
             MNIST, fixed windows at a tenth of the measured B_simple train
             best for a given number of epochs).
-        smoothing: Float in [0, 1). The decay of the moving averages of
+        smoothing: Float in [0, 1), below 1 in float32 (at most
+            1 - 2**-24, about 0.99999994). The decay of the moving averages of
             tr(Σ) and |G|², per micro-batch: a window of k micro-batches
             decays them by `smoothing ** k`, so a long window, whose
             estimates are less noisy, weighs more. Defaults to `0.999`
@@ -127,6 +130,7 @@ class AutoAccumSteps:
             ),
             "warmup": _integer("warmup", self.warmup, 1),
         }
+        _float32_holds(checked)
         if not isinstance(self.shrink, bool):
             raise ValueError(
                 f"`shrink` must be a bool. Received: shrink={self.shrink!r}"
@@ -249,6 +253,34 @@ def _integer(name, value, least):
             f"counts in int32). Received: {name}={value!r}"
         )
     return int(value)
+
+
+# The step computes the controller in float32 on every backend.
+_FLOAT32 = np.finfo(np.float32)
+
+
+def _float32_holds(checked: dict) -> None:
+    """Refuses a float setting that float32 turns into another setting:
+    `smoothing` rounded up to 1 (the averages would never move, and the
+    controller never decide), `batch_fraction` rounded to 0 or inf."""
+    smoothing = checked["smoothing"]
+    if np.float32(smoothing) >= 1.0:
+        largest = float(np.nextafter(np.float32(1), np.float32(0)))
+        raise ValueError(
+            "`smoothing` must be a number in [0, 1) that stays below 1 in "
+            f"float32, at most {largest!r} (the controller runs in float32, "
+            "where this value is 1.0: its averages would never move and "
+            f"it would never decide). Received: smoothing={smoothing!r}"
+        )
+    fraction = checked["batch_fraction"]
+    low, high = float(_FLOAT32.smallest_normal), float(_FLOAT32.max)
+    if not low <= fraction <= high:
+        raise ValueError(
+            "`batch_fraction` must be a positive number that float32 "
+            f"holds, from {low!r} to {high!r} (the controller runs in "
+            "float32, where this value is 0 or inf). Received: "
+            f"batch_fraction={fraction!r}"
+        )
 
 
 def _number(name, value, allowed, bounds):

@@ -27,6 +27,7 @@ from keras_accum._compat import (
     functional_like_constructor,
     make_functional,
     model_being_cloned,
+    model_keywords,
 )
 from keras_accum._files import replaced_whole
 from keras_accum._schedules import (
@@ -36,6 +37,7 @@ from keras_accum._schedules import (
 from keras_accum._validation import (
     check_accum_schedule,
     check_accumulator_dtype,
+    check_keywords,
     check_micro_batch_size,
     check_partial_window,
     check_split_mode,
@@ -68,6 +70,24 @@ elif keras.backend.backend() == "jax":
     from keras_accum._jax_trainer import JaxAccumTrainer as _Trainer
 else:
     from keras_accum._torch_trainer import TorchAccumTrainer as _Trainer
+
+
+def _refusing_unknown_keywords(method):
+    """`method` (`from_model`), refusing a keyword it does not take as the
+    constructor does: naming it and the nearest it takes."""
+    parameters = tuple(inspect.signature(method).parameters)[1:]
+
+    @functools.wraps(method)
+    def checked(cls, *args, **kwargs):
+        check_keywords(f"AccumModel.{method.__name__}", kwargs, parameters)
+        return method(cls, *args, **kwargs)
+
+    return checked
+
+
+# A dtype's name, or an object Keras reads as one (`np.float32`,
+# `tf.bfloat16`, `torch.bfloat16`, `ml_dtypes.bfloat16`).
+DTypeLike = str | Any
 
 # An int, a schedule by epoch `{epoch: steps}`, a callable of the update
 # count, or `"auto"` / an `AutoAccumSteps`.
@@ -205,7 +225,9 @@ class AccumModel(_Trainer, keras.Model):
             both sizes: the update is the same, only slower. Not with an
             `accum_steps` other than 1. See the guide "Batches that fit".
             Defaults to `None` (each batch a micro-batch).
-        accumulator_dtype: None, `"float32"` or `"bfloat16"`. The dtype the
+        accumulator_dtype: None, `"float32"` or `"bfloat16"` (or a dtype
+            object `keras.backend.standardize_dtype` reads as one of them,
+            e.g. `np.float32`, `tf.bfloat16`, `torch.bfloat16`). The dtype the
             gradients are summed in. None (or `"float32"`) keeps float32
             accumulators: exact, whatever the weights' dtype.
             `"bfloat16"` halves their memory for every weight of at least
@@ -218,15 +240,19 @@ class AccumModel(_Trainer, keras.Model):
             magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
-        **kwargs: Passed to `keras.Model`, e.g. `name`.
+        **kwargs: Passed to `keras.Model`: those it takes (`name`,
+            `trainable`, `dtype`, ...); any other is refused.
 
     Raises:
         TypeError: If `accum_steps` is not an integer (a bool included), a
             dict, a callable, `"auto"` or an `AutoAccumSteps`,
             `micro_batch_size` is neither None, an integer, `"auto"` nor
-            an `AutoMicroBatch`, or `accumulator_dtype` is neither None
-            nor a string.
-        ValueError: If `accum_steps < 1` or `accum_steps >= 2**31`,
+            an `AutoMicroBatch`, or `accumulator_dtype` is neither None,
+            a string nor a dtype.
+        ValueError: If a keyword argument is neither one of the above
+            nor one `keras.Model` takes (the message names the nearest:
+            `accum_step=8` would otherwise be ignored by a functional
+            model), or `accum_steps < 1` or `accum_steps >= 2**31`,
             `micro_batch_size` is out of range or set beside an
             `accum_steps` other than 1, `accumulator_dtype` is a string
             other than `"float32"` and `"bfloat16"`, an epoch schedule has
@@ -265,9 +291,17 @@ class AccumModel(_Trainer, keras.Model):
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
-        accumulator_dtype: str | None = None,
+        accumulator_dtype: DTypeLike | None = None,
         **kwargs: Any,
     ) -> None:
+        # Before Keras sees them: a functional model ignores keywords it
+        # does not know, so a misspelt setting would train without it.
+        check_keywords(
+            _shown_name(type(self)),
+            kwargs,
+            _OWN_KEYWORDS,
+            model_keywords(),
+        )
         source = model_being_cloned()
         if isinstance(source, AccumModel):
             # `clone_model` passes only `(inputs, outputs, name)`: without
@@ -313,13 +347,14 @@ class AccumModel(_Trainer, keras.Model):
     # -- Public surface -------------------------------------------------------
 
     @classmethod
+    @_refusing_unknown_keywords
     def from_model(
         cls,
         model: keras.Model,
         accum_steps: AccumSteps = 1,
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
-        accumulator_dtype: str | None = None,
+        accumulator_dtype: DTypeLike | None = None,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -354,8 +389,9 @@ class AccumModel(_Trainer, keras.Model):
         Raises:
             TypeError: If `model` is not a `keras.Model` or `accum_steps` is
                 not an integer (a bool included), a dict or a callable.
-            ValueError: If `model` is not built, or `accum_steps` or
-                `partial_window` is out of range.
+            ValueError: If `model` is not built, `accum_steps` or
+                `partial_window` is out of range, or a keyword argument is
+                not one of the above (the message names the nearest).
 
         Example:
 
@@ -469,22 +505,23 @@ class AccumModel(_Trainer, keras.Model):
     def accumulator_dtype(self) -> str | None:
         """The dtype the gradients are summed in: None (float32) or
         `"bfloat16"` (weights of at least 16384 elements; see
-        `AccumModel`). Setting it applies from the next `compile()`: the
-        window's accumulators are made once per compile."""
+        `AccumModel`).
+
+        Set it to None, `"float32"` or `"bfloat16"`, or a dtype object
+        `keras.backend.standardize_dtype` reads as one of them
+        (`np.float32`, `tf.bfloat16`, `torch.bfloat16`, `jnp.bfloat16`);
+        it keeps the name. It applies from the next window: where the
+        accumulators exist (since a `fit`, `evaluate` or `load_weights`)
+        they are made anew in the new dtype, and the window's counters
+        (epoch, `skipped_windows`, `"auto"`'s controller, the log) are
+        kept. Between windows only: a window still open
+        (`mini_step > 0`) is refused (apply it first with
+        `apply_partial_window()`)."""
         return self._accumulator_dtype
 
     @accumulator_dtype.setter
-    def accumulator_dtype(self, value: str | None) -> None:
-        value = check_accumulator_dtype(value)
-        if value != self._accumulator_dtype and self._window is not None:
-            raise ValueError(
-                "`accumulator_dtype` cannot change once the window's "
-                "accumulators exist (after the first `fit` since "
-                "`compile()`): call `compile()` again first, which drops "
-                "the open window. Received: "
-                f"accumulator_dtype={value!r}"
-            )
-        self._configure(accumulator_dtype=value, traced=True)
+    def accumulator_dtype(self, value: Any) -> None:
+        self._set_accumulator_dtype(check_accumulator_dtype(value))
 
     @property
     def micro_batch_choices(self) -> list[dict]:
@@ -771,6 +808,22 @@ class _FunctionalAccumModel(AccumModel, Functional):
                 "weights, as `clone_model` gives)."
             )
         return super()._run_through_graph(*args, **kwargs)
+
+
+# The constructor's own keyword arguments, named in its errors.
+_OWN_KEYWORDS = tuple(
+    name
+    for name, parameter in inspect.signature(
+        AccumModel.__init__
+    ).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY
+)
+
+
+def _shown_name(cls) -> str:
+    """`cls`'s name in messages: `AccumModel` for the package's own
+    classes (`_FunctionalAccumModel`, `_WrappedAccumModel`)."""
+    return "AccumModel" if cls.__module__ == __name__ else cls.__name__
 
 
 @functools.cache

@@ -71,6 +71,53 @@ def test_next_length_keeps_to_the_bounds_and_the_batch_fraction():
     assert _value(auto.next_length(current, 12.0, half)) == 6
 
 
+def _compiled(function):
+    """`function` as each backend compiles a step: TensorFlow's graph and
+    XLA, JAX's jit; PyTorch runs it eagerly, as its steps do."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return [tf.function(function), tf.function(function, jit_compile=True)]
+    if BACKEND == "jax":
+        import jax
+
+        return [jax.jit(function)]
+    return []
+
+
+@pytest.mark.parametrize(
+    "current, ideal",
+    [
+        (2**30 + 5, math.inf),  # Doubled: past 2**31 - 1.
+        (2**30 + 5, 3e9),
+        (2**31 - 1, math.inf),  # At the bound already.
+        (2**31 - 200, 2**31 - 150.0),  # Inside the band: unchanged.
+        (2**30, 2**31 - 1000.0),  # Below the bound: as float32 rounds it.
+    ],
+)
+def test_next_length_at_the_largest_max_steps_stays_in_int32(current, ideal):
+    """Before: the bound 2**31 - 1 was 2**31 in float32, cast to int32 as
+    -2147483648 on TensorFlow (graph and eager) and PyTorch; XLA
+    saturated."""
+    config = AutoAccumSteps(max_steps=2**31 - 1, batch_fraction=1.0)
+    expected = {
+        math.inf: 2**31 - 1,
+        3e9: 2**31 - 1,
+        2**31 - 150.0: 2**31 - 200,
+        2**31 - 1000.0: int(np.float32(2**31 - 1000.0)),
+    }[ideal]
+
+    def run(length, ideal):
+        return auto.next_length(length, ideal, config)
+
+    length = ops.convert_to_tensor(current, "int32")
+    ideal_tensor = ops.convert_to_tensor(ideal, "float32")
+    for function in [run, *_compiled(run)]:
+        got = keras.ops.convert_to_numpy(function(length, ideal_tensor))
+        assert got.dtype == np.int32
+        assert int(got) == expected, function
+
+
 def test_noise_scale_is_the_ratio_and_infinite_without_signal():
     assert _value(auto.noise_scale(45.0, 0.03)) == pytest.approx(1500.0)
     assert math.isinf(_value(auto.noise_scale(45.0, 0.0)))
@@ -215,6 +262,14 @@ def test_scaled_learning_rate_reads_a_schedule_at_the_progress():
         ({"batch_fraction": math.inf}, r"`batch_fraction` .*finite.*=inf"),
         ({"batch_fraction": math.nan}, r"`batch_fraction` .*finite.*=nan"),
         ({"smoothing": -math.inf}, r"`smoothing` must be .*=-inf"),
+        # 1.0 in float32, where the controller runs: it never decided.
+        (
+            {"smoothing": 1 - 1e-8},
+            r"`smoothing` .*below 1 in float32.*=0\.99999999",
+        ),
+        # 0 and inf in float32.
+        ({"batch_fraction": 1e-50}, r"`batch_fraction` .*float32.*=1e-50"),
+        ({"batch_fraction": 1e39}, r"`batch_fraction` .*float32.*=1e\+39"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(kwargs, match):
@@ -539,6 +594,31 @@ def test_switching_to_auto_between_fits_goes_on_from_the_length():
     assert [u.micro_batches for u in logger.updates] == [6, 2]
     model.accum_steps = 4
     assert _value(model._window.counters.target_length) == 4
+
+
+def test_the_largest_max_steps_is_reached_in_a_fit():
+    """Before: on TensorFlow's graph and PyTorch the window that would
+    reach `max_steps=2**31 - 1` set the target length to -2147483648; the
+    next epoch's windows were then one micro-batch long."""
+    x, y = regression_data(n=3 * B)
+    # Random targets: a noise scale far above the batch, so that the
+    # controller doubles the window at its first decision.
+    y = np.random.default_rng(1).normal(size=y.shape).astype("float32")
+    config = AutoAccumSteps(
+        min_steps=2**30,
+        max_steps=2**31 - 1,
+        batch_fraction=1e30,
+        smoothing=0.0,
+        warmup=1,
+    )
+    model = mlp(keras_accum.AccumModel, accum_steps=config)
+    model.compile(optimizer="sgd", loss="mse")
+    logger = keras_accum.PseudoBatchLogger()
+    model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
+    # Each epoch's 3 micro-batches, applied at its end.
+    assert [u.micro_batches for u in logger.updates] == [3, 3]
+    assert model.window_length == 2**31 - 1
+    assert _value(model._window.counters.target_length) == 2**31 - 1
 
 
 def test_a_recompile_keeps_the_controller():

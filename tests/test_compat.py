@@ -189,6 +189,16 @@ def test_the_keras_hooks_the_package_relies_on_are_there():
     Sub(inputs, keras.layers.Dense(1)(inputs))
     assert issubclass(Sub, _compat.Functional)
 
+    # What `AccumModel` passes on to Keras: the two names `Layer.__init__`
+    # reads from its `**kwargs` are still read there (another is refused).
+    keywords = _compat.model_keywords()
+    assert {"name", "trainable", "dtype", "input_dim"} <= set(keywords)
+    with pytest.warns(UserWarning, match="input_shape"):
+        keras.layers.Layer(input_dim=3)
+        keras.layers.Layer(input_shape=(3,))
+    with pytest.raises(ValueError, match="Unrecognized keyword"):
+        keras.layers.Layer(input_dims=3)
+
 
 def _functions_of_the_package():
     """`(where, parameters, lines of code)` of every function in the

@@ -330,3 +330,256 @@ def test_clone_model_of_a_keras_hub_style_subclass_says_how():
     clone = Backbone.from_config(model.get_config())
     assert type(clone) is Backbone
     assert clone.accum_steps == 3
+
+
+# -- Keyword arguments --------------------------------------------------------
+
+
+def _functional_config(**changes):
+    config = AccumModel(*_dense_graph(), accum_steps=K).get_config()
+    config.update(changes)
+    return config
+
+
+def _misspelt(config, right, wrong):
+    config = dict(config)
+    config[wrong] = config.pop(right)
+    return config
+
+
+_MISSPELT = {
+    "functional": lambda **kw: AccumModel(*_dense_graph(), **kw),
+    "custom_fit_subclass": lambda **kw: CustomModel(*_dense_graph(), **kw),
+    "subclassing": lambda **kw: AccumNet(**kw),
+    "keras_hub_style": lambda **kw: Backbone(**kw),
+    "from_sequential": lambda **kw: AccumModel.from_model(
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]), **kw
+    ),
+    "from_subclassed": lambda **kw: AccumModel.from_model(
+        _built(PlainNet(), np.zeros((1, 5), "float32")), **kw
+    ),
+    "from_config": lambda **kw: AccumModel.from_config(
+        _functional_config(**kw)
+    ),
+    "subclass_from_config": lambda **kw: AccumNet.from_config(
+        {**AccumNet(accum_steps=K).get_config(), **kw}
+    ),
+    "wrapped_from_config": lambda **kw: _wrapped_class().from_config(
+        {**_wrapped().get_config(), **kw},
+        custom_objects={"PlainNet": PlainNet},
+    ),
+}
+
+
+def _wrapped():
+    return AccumModel.from_model(
+        _built(PlainNet(), np.zeros((1, 5), "float32")), accum_steps=K
+    )
+
+
+def _wrapped_class():
+    return type(_wrapped())
+
+
+@pytest.mark.parametrize("way", sorted(_MISSPELT))
+@pytest.mark.parametrize(
+    "wrong, right",
+    [("accum_step", "accum_steps"), ("micro_batchsize", "micro_batch_size")],
+)
+def test_a_misspelt_setting_is_refused_naming_the_nearest(way, wrong, right):
+    """Before: a functional `AccumModel` (and `from_config`) ignored it and
+    trained at `accum_steps=1`; a subclass got Keras's error without the
+    hint, `from_model` Python's `TypeError`."""
+    owner = {
+        "subclassing": "AccumNet",
+        "subclass_from_config": "AccumNet",
+        "keras_hub_style": "Backbone",
+        "custom_fit_subclass": "CustomModel",
+        "from_sequential": "AccumModel.from_model",
+        "from_subclassed": "AccumModel.from_model",
+    }.get(way, "AccumModel")
+    match = (
+        rf"Unrecognized keyword argument\(s\) for `{owner}`: {wrong}=8\. "
+        rf"Did you mean `{right}`\?"
+    )
+    with pytest.raises(ValueError, match=match):
+        _MISSPELT[way](**{wrong: 8})
+
+
+def test_several_unknown_keywords_are_all_named():
+    with pytest.raises(ValueError) as error:
+        AccumModel(*_dense_graph(), accum_step=8, colour="red", nme="x")
+    message = str(error.value)
+    assert "accum_step=8, colour='red', nme='x'." in message
+    assert "Did you mean `accum_steps` for `accum_step`?" in message
+    assert "Did you mean `name` for `nme`?" in message
+    assert "colour`?" not in message
+
+
+def test_keras_keywords_still_pass_at_every_way_in(tmp_path):
+    functional = AccumModel(
+        *_dense_graph(), accum_steps=K, name="f", trainable=False
+    )
+    assert (functional.name, functional.trainable) == ("f", False)
+    subclassed = AccumNet(accum_steps=K, name="s", dtype="float32")
+    assert subclassed.name == "s"
+    hub = Backbone(hidden=4, name="b", accum_steps=2)
+    assert (hub.name, hub.accum_steps) == ("b", 2)
+    # Configs and files made by this version and by earlier ones (the same
+    # keys: the settings were only ever added) revive.
+    for model in (functional, subclassed, hub, _wrapped()):
+        config = model.get_config()
+        revived = type(model).from_config(
+            config, **({} if model is hub else {"custom_objects": {}})
+        )
+        assert revived.accum_steps == model.accum_steps
+    old_style = _functional_config()
+    del old_style["accumulator_dtype"], old_style["micro_batch_size"]
+    assert AccumModel.from_config(old_style).accum_steps == K
+    functional.save(tmp_path / "f.keras")
+    assert keras.saving.load_model(tmp_path / "f.keras").accum_steps == K
+
+
+# -- accumulator_dtype --------------------------------------------------------
+
+# A kernel of 2**14 elements: the smallest that gets a bfloat16 accumulator.
+_WIDE = 128
+
+
+def _wide_model(model_cls=AccumModel, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((_WIDE,))
+    x = keras.layers.Dense(_WIDE, activation="tanh")(inputs)
+    return model_cls(inputs, keras.layers.Dense(3)(x), **kwargs)
+
+
+def _wide_data(n=24):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, _WIDE)).astype("float32")
+    return x, rng.normal(size=(n, 3)).astype("float32")
+
+
+def _accumulator_dtypes(model):
+    return [
+        keras.backend.standardize_dtype(a.dtype) for a in model.accumulators
+    ]
+
+
+def _backend_dtypes():
+    """The backend's own float32 and bfloat16 dtype objects."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.float32, tf.bfloat16, tf.float16
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        return jnp.float32, jnp.bfloat16, jnp.float16
+    import torch
+
+    return torch.float32, torch.bfloat16, torch.float16
+
+
+def test_accumulator_dtype_takes_what_keras_reads_as_a_dtype():
+    """Before: only the strings were taken; `np.float32`, `ml_dtypes`'
+    and the backends' bfloat16 were refused with a `TypeError`."""
+    import ml_dtypes
+
+    float32, bfloat16, float16 = _backend_dtypes()
+    for value, kept in [
+        (np.float32, None),
+        (np.dtype("float32"), None),
+        (float32, None),
+        (ml_dtypes.bfloat16, "bfloat16"),
+        (bfloat16, "bfloat16"),
+    ]:
+        assert _wide_model(accumulator_dtype=value).accumulator_dtype == kept
+        converted = AccumModel.from_model(
+            keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+            accumulator_dtype=value,
+        )
+        assert converted.accumulator_dtype == kept
+        model = _wide_model()
+        model.accumulator_dtype = value
+        assert model.accumulator_dtype == kept
+        assert model.get_config()["accumulator_dtype"] == kept
+    for value in (np.float16, float16, "half"):
+        with pytest.raises(ValueError, match="float16 accumulators are not"):
+            _wide_model(accumulator_dtype=value)
+    for value in (True, 16, 16.0, object()):
+        with pytest.raises(TypeError, match=r"accumulator_dtype=.*\(of type"):
+            _wide_model(accumulator_dtype=value)
+
+
+@pytest.mark.parametrize("after", ["evaluate", "load_weights", "fit"])
+def test_accumulator_dtype_changes_between_windows(after, tmp_path):
+    """Before: refused, "after the first `fit` since `compile()`", once
+    `evaluate` or `load_weights` had made the accumulators, though no `fit`
+    ran; the docstring said a change applied from the next `compile()`."""
+    x, y = _wide_data()
+    model = _wide_model(accum_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    if after == "evaluate":
+        model.evaluate(x, y, verbose=0)
+    elif after == "load_weights":
+        source = _wide_model(accum_steps=2)
+        source.compile(optimizer="sgd", loss="mse")
+        source.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        source.save_weights(tmp_path / "w.weights.h5")
+        model.load_weights(tmp_path / "w.weights.h5")
+    else:
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert _accumulator_dtypes(model) == ["float32"] * 4
+    epoch = int(keras.ops.convert_to_numpy(model._window.counters.epoch))
+    updates = int(model.optimizer.iterations)
+    model.accumulator_dtype = "bfloat16"
+    # New accumulators, the window's position kept.
+    assert _accumulator_dtypes(model) == ["bfloat16"] + ["float32"] * 3
+    assert (
+        int(keras.ops.convert_to_numpy(model._window.counters.epoch)) == epoch
+    )
+    model.fit(
+        x, y, batch_size=4, epochs=epoch + 1, initial_epoch=epoch, verbose=0
+    )
+    assert int(model.optimizer.iterations) == updates + 3
+    assert _accumulator_dtypes(model)[0] == "bfloat16"
+
+
+def test_accumulator_dtype_refuses_to_change_with_a_window_open():
+    x, y = _wide_data(n=12)
+    model = _wide_model(accum_steps=4, partial_window="carry")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert model.mini_step == 3
+    with pytest.raises(
+        ValueError,
+        match=r"while a window is open \(3 micro-batch.*"
+        r"`apply_partial_window\(\)`.*accumulator_dtype='bfloat16'",
+    ):
+        model.accumulator_dtype = "bfloat16"
+    assert model.accumulator_dtype is None
+    assert model.mini_step == 3
+    # Setting what it is already changes nothing.
+    model.accumulator_dtype = "float32"
+    assert model.apply_partial_window()
+    model.accumulator_dtype = "bfloat16"
+    assert _accumulator_dtypes(model)[0] == "bfloat16"
+
+
+def test_a_model_switched_back_to_float32_trains_like_the_large_batch(
+    report_diff,
+):
+    """Its accumulators made anew in float32 (after `evaluate` made them
+    in bfloat16): exact again (6e-8 from the plain model on TensorFlow
+    and PyTorch), where bfloat16 ones end 2e-4 from it after one update
+    (the 128 x 128 kernel's)."""
+    model = _wide_model(accum_steps=K, accumulator_dtype="bfloat16")
+    plain = _wide_model(keras.Model)
+    x, y = _wide_data(n=40)
+    for m in (plain, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.evaluate(x, y, verbose=0)
+    model.accumulator_dtype = np.float32
+    diff, _, _ = train_pair(plain, model, x, y, 2, K)
+    report_diff(diff)

@@ -168,19 +168,6 @@ def test_the_setting_survives_config_clone_conversion_and_saving(tmp_path):
     )
 
 
-def test_changing_it_once_the_accumulators_exist_asks_for_compile():
-    x, y = _data()
-    model = _wide(keras_accum.AccumModel, accum_steps=2)
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=16, verbose=0)
-    with pytest.raises(ValueError, match=r"call `compile\(\)` again first"):
-        model.accumulator_dtype = "bfloat16"
-    model.compile(optimizer="sgd", loss="mse")
-    model.accumulator_dtype = "bfloat16"
-    model.fit(x, y, batch_size=16, verbose=0)
-    assert _dtypes(model)[0] == "bfloat16"
-
-
 # -- The rounding -------------------------------------------------------------
 
 
