@@ -296,11 +296,13 @@ class SplitFunction:
         split = model._life.split
         key = (self.kind, model._batch_signature(batch))
         size = split.sizes.get(key)
-        batch_size = model._split_batch_size(batch)
         # A size "auto" chose on a smaller batch (the whole of it) is no
         # bound for a larger one.
         bound = split.bounded_by_batch.get(key)
-        if size is None or (bound is not None and batch_size > bound):
+        if size is None or (
+            bound is not None and model._split_batch_size(batch) > bound
+        ):
+            batch_size = model._split_batch_size(batch)
             chosen = self._choose(batch, state)
             if isinstance(model._micro_batch_size, AutoMicroBatch) and (
                 chosen >= batch_size
