@@ -283,8 +283,9 @@ def test_auto_sizes_evaluate_and_predict_run_first():
         assert choice["predicted_peak"] <= choice["budget"] == peak
         if BACKEND == "jax":
             # Evaluation keeps no gradients: at least the train step's
-            # size fits. (TensorFlow's absolute peaks also count what
-            # the models before this one in the process left.)
+            # size fits. (TensorFlow's limit here is a `fit` step's
+            # allocator peak, which counts the whole process; its probes
+            # count the model's own memory: no size follows from it.)
             assert choice["micro_batch_size"] >= 4
 
 
