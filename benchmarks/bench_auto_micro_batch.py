@@ -9,13 +9,13 @@ size. Reported per limit: the size picked, the peak it predicted, the
 peaks measured at that size and the next one (the next should be above
 the limit), the sizes the search measured, and the CPU seconds of the
 first epoch (with the search) against the next. Every figure comes from
-a fresh process: peaks are absolute, and TensorFlow keeps about 9 MiB of
-every model a process fits.
+a fresh process.
 
-The measurements are those of the tests (tests/test_auto_micro_batch.py):
-JAX, the compiled train step's `memory_analysis()` (arguments + outputs
-not aliased + temporaries); TensorFlow, the allocator's peak over `fit`'s
-second step (`TF_CPU_ALLOCATOR_USE_BFC=true`).
+The measurements count what "auto" counts, the model's own memory: JAX,
+the compiled train step's `memory_analysis()` (arguments + outputs not
+aliased + temporaries); TensorFlow, the allocator's peak over `fit`'s
+second step less the bytes in use when it began, plus the model's state
+(`TF_CPU_ALLOCATOR_USE_BFC=true`).
 
     python benchmarks/bench_auto_micro_batch.py
     python benchmarks/bench_auto_micro_batch.py --backends=jax --models=mlp
@@ -39,11 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(args):
-    """One task in a fresh process (peaks are absolute, and TensorFlow
-    keeps about 9 MiB of every model a process fits, `keras.Model` too):
-    `peak` (`--size`: the measured peak at that int size) or `auto`
-    (`--limit`: the choice, and the first epoch's CPU seconds with the
-    search and at the size chosen)."""
+    """One task in a fresh process: `peak` (`--size`: the measured peak
+    at that int size) or `auto` (`--limit`: the choice, and the first
+    epoch's CPU seconds with the search and at the size chosen)."""
     import keras
     import numpy as np
     from _variants import MODELS
@@ -101,19 +99,30 @@ def worker(args):
         return [_sizing.compiled_peak(found)]
     import tensorflow as tf
 
+    info = tf.config.experimental.get_memory_info
+
     class Second(keras.callbacks.Callback):
+        """What the second step allocated above the bytes in use when it
+        began (its batch arrives inside it), as the probes count it."""
+
         def on_train_batch_begin(self, index, logs=None):
             if index == 1:
                 tf.config.experimental.reset_memory_stats("CPU:0")
+                self.before = info("CPU:0")["current"]
 
         def on_train_batch_end(self, index, logs=None):
             if index == 1:
-                info = tf.config.experimental.get_memory_info("CPU:0")
-                self.peak = info["peak"]
+                self.peak = info("CPU:0")["peak"] - self.before
 
     second = Second()
     model.fit(x, y, batch_size=batch, verbose=0, callbacks=[second])
-    return [second.peak]
+    # Plus the model's state, which "auto" counts too: its variables, the
+    # optimizer's, the metrics', and the accumulators (one float32 copy
+    # of the trainable weights).
+    state = [*model.variables, *model.optimizer.variables]
+    state += [*model.metrics_variables, *model.trainable_variables]
+    held = sum(keras.ops.convert_to_numpy(v).nbytes for v in state)
+    return [held + second.peak]
 
 
 def _task(args, backend, model, task, **values):

@@ -55,12 +55,19 @@ class SplitSizes:
         choices: What `model.micro_batch_choices` shows.
         cache: What a backend keeps for its hooks (TensorFlow: the
             compiled read of `_split_snapshot`).
+        bounded_by_batch: `{(kind, signature): batch size}` where
+            `"auto"` chose the whole batch: a larger size might fit too,
+            so a larger batch of that key is searched again.
+        shrunk: `{kind: size}`: the size an out-of-memory error left
+            that kind of step at; no batch of it is split larger.
     """
 
     sizes: dict = dataclasses.field(default_factory=dict)
     active: dict = dataclasses.field(default_factory=dict)
     choices: list = dataclasses.field(default_factory=list)
     cache: dict = dataclasses.field(default_factory=dict)
+    bounded_by_batch: dict = dataclasses.field(default_factory=dict)
+    shrunk: dict = dataclasses.field(default_factory=dict)
 
 
 class OutOfMemoryAtOne(RuntimeError):
@@ -289,9 +296,25 @@ class SplitFunction:
         split = model._life.split
         key = (self.kind, model._batch_signature(batch))
         size = split.sizes.get(key)
-        if size is None:
-            size = self._choose(batch, state)
-            split.sizes[key] = size
+        # A size "auto" chose on a smaller batch (the whole of it) is no
+        # bound for a larger one.
+        bound = split.bounded_by_batch.get(key)
+        if size is None or (
+            bound is not None and model._split_batch_size(batch) > bound
+        ):
+            batch_size = model._split_batch_size(batch)
+            chosen = self._choose(batch, state)
+            if isinstance(model._micro_batch_size, AutoMicroBatch) and (
+                chosen >= batch_size
+            ):
+                split.bounded_by_batch[key] = batch_size
+            else:
+                split.bounded_by_batch.pop(key, None)
+            chosen = min(chosen, split.shrunk.get(self.kind, chosen))
+            if size is not None and chosen != size:
+                # The step was traced at the old size.
+                self.inner = model._fresh_inner(self.kind)
+            size = split.sizes[key] = chosen
         split.active[self.kind] = size
         return size
 
@@ -301,12 +324,9 @@ class SplitFunction:
         if not isinstance(setting, AutoMicroBatch):
             return setting
         batch_size = model._split_batch_size(batch)
-        if self.kind != "train":
-            # A train step's size fits its evaluation, which keeps no
-            # gradients: reused where one is known.
-            trained = model._life.split.active.get("train")
-            if trained is not None:
-                return trained
+        # Each kind of step is searched on its own: evaluation keeps no
+        # gradients and may take larger micro-batches than training, and
+        # the train step's size is that of whichever batch came last.
         budget, described = budget_of(model, setting)
         exact, measured_by = model._sizing_method()
         try:
@@ -347,6 +367,12 @@ class SplitFunction:
             return False
         new = max(size // 2, 1)
         split = model._life.split
+        # Every batch of this kind, whatever its shape, until `compile()`
+        # or a new `micro_batch_size`: the device ran out at `size`.
+        split.shrunk[self.kind] = new
+        for key, known in split.sizes.items():
+            if key[0] == self.kind:
+                split.sizes[key] = min(known, new)
         split.sizes[(self.kind, model._batch_signature(batch))] = new
         split.active[self.kind] = new
         self._record(

@@ -437,10 +437,14 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
     @contextlib.contextmanager
     def _probing(self, kind, batch, state):
-        """`measure(size)`: the allocator's peak, in bytes, over the step of
-        `kind` run on `batch` at that size (the largest of the replicas'
-        devices; None if it ran out of memory). Every variable the probes
-        may change is copied to the host first and restored after."""
+        """`measure(size)`: the peak, in bytes, of the step of `kind` run
+        on `batch` at that size (the largest of the replicas' devices; None
+        if it ran out of memory): this model's state and the batch, plus
+        what the step allocated above the memory in use when it started,
+        from the allocator's figures. Memory that other models in the
+        process hold is not the step's (JAX's compiled figures do not see
+        it either). Every variable the probes may change is copied to the
+        host first and restored after."""
         del state
         strategy = self.distribute_strategy
         if _multi_worker(strategy):
@@ -464,6 +468,11 @@ class TensorFlowAccumTrainer(AccumTrainer):
         # through the probes' updates and count it in their peaks.
         kept = [np.array(part.numpy(), copy=True) for part in parts]
         devices = sorted({f"{d}:{i}" for d, i in self._replica_devices()})
+        _check_allocator_figures(devices, self._micro_batch_size)
+        # Each device holds its replica's copy of the state and its part
+        # of the batch.
+        held = sum(value.nbytes for value in kept) + _nbytes(batch, strategy)
+        held //= len(devices)
         step = getattr(self, f"{kind}_step")
 
         def measure(size):
@@ -474,17 +483,8 @@ class TensorFlowAccumTrainer(AccumTrainer):
 
             if not self.run_eagerly:
                 probe = tf.function(probe, jit_compile=bool(self.jit_compile))
-            peak = _allocator_peak(probe, batch, strategy, devices)
-            if peak == 0:
-                raise ValueError(
-                    '`micro_batch_size="auto"` needs the allocator\'s '
-                    "figures, and TensorFlow's CPU allocator keeps none "
-                    "unless `TF_CPU_ALLOCATOR_USE_BFC=true` is set in the "
-                    "environment before TensorFlow starts. Set it, or give "
-                    "an int. Received: micro_batch_size="
-                    f"{self._micro_batch_size!r} on {devices}"
-                )
-            return peak
+            allocated = _allocator_peak(probe, batch, strategy, devices)
+            return None if allocated is None else held + allocated
 
         # Each probe traces the step at its size, on purpose.
         quiet = _RetracingFilter()
@@ -544,22 +544,63 @@ def _multi_worker(strategy) -> bool:
 
 
 def _allocator_peak(probe, batch, strategy, devices):
-    """The allocator's peak over `probe(batch)`, the largest of `devices`'
-    (0 where the allocator keeps no figures); None if it ran out of
-    memory. Run twice: the first run holds one-time buffers (its trace's
-    constants, kernels' caches); the second is every step's."""
+    """The most bytes `probe(batch)` allocated on one of `devices` above
+    what was in use when it started (the allocator's peak less its
+    current bytes then: other models' weights are no part of the step);
+    None if it ran out of memory. Run twice: the first run holds one-time
+    buffers (its trace's constants, kernels' caches); the second is every
+    step's."""
+    info = tf.config.experimental.get_memory_info
     try:
         for _ in range(2):
+            before = {}
             for device in devices:
                 tf.config.experimental.reset_memory_stats(device)
+                before[device] = info(device)["current"]
             tf.nest.map_structure(
                 lambda t: t.numpy() if hasattr(t, "numpy") else t,
                 strategy.experimental_local_results(probe(batch)),
             )
     except tf.errors.ResourceExhaustedError:
         return None
-    info = tf.config.experimental.get_memory_info
-    return max(info(device)["peak"] for device in devices)
+    return max(info(device)["peak"] - before[device] for device in devices)
+
+
+def _check_allocator_figures(devices, setting) -> None:
+    """Refuses `"auto"` where TensorFlow's allocator keeps no figures (its
+    CPU allocator unless it is the BFC allocator), naming the fix."""
+    for device in devices:
+        try:
+            tf.config.experimental.get_memory_info(device)
+        except ValueError:
+            # "Allocator stats not available for device ...".
+            pass
+        else:
+            continue
+        raise ValueError(
+            '`micro_batch_size="auto"` measures the step with TensorFlow\'s '
+            f"allocator figures, and {device}'s allocator keeps none. On a "
+            "CPU, TensorFlow keeps them only with its BFC allocator: set "
+            "the environment variable `TF_CPU_ALLOCATOR_USE_BFC=true` "
+            "before TensorFlow is imported (e.g. "
+            '`os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"` before '
+            "`import keras`, or in the shell), or give an int "
+            "`micro_batch_size`. A `memory_limit` does not replace the "
+            f"figures. Received: micro_batch_size={setting!r} on {devices}"
+        )
+
+
+def _nbytes(data, strategy) -> int:
+    """The bytes of `data`'s tensors, every replica's part counted."""
+    total = 0
+    for leaf in tf.nest.flatten(data):
+        if leaf is None:
+            continue
+        for part in strategy.experimental_local_results(leaf):
+            if hasattr(part, "shape") and hasattr(part, "dtype"):
+                count = int(np.prod([d or 0 for d in tuple(part.shape)]))
+                total += count * tf.as_dtype(part.dtype).size
+    return total
 
 
 class _RetracingFilter(logging.Filter):

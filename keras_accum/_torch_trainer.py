@@ -177,10 +177,13 @@ class TorchAccumTrainer(AccumTrainer):
 
     @contextlib.contextmanager
     def _probing(self, kind, batch, state):
-        """`measure(size)`: the CUDA allocator's peak over the step of
-        `kind` run on `batch` at that size (None if it ran out of memory).
-        Every variable the probes may change is copied to the host first
-        and restored after."""
+        """`measure(size)`: the peak of the step of `kind` run on `batch`
+        at that size (None if it ran out of memory): this model's state
+        and the batch, plus what the step allocated above the memory in
+        use when it started, from the CUDA allocator's figures (other
+        models in the process are no part of it). Every variable the
+        probes may change is copied to the host first and restored
+        after."""
         del state
         device = self._cuda_device()
         if device is None:
@@ -192,19 +195,27 @@ class TorchAccumTrainer(AccumTrainer):
             *self._window.variables,
         ]
         kept = [_compat.backing_value(v).detach().cpu() for v in variables]
+        # A batch still on the host is moved inside the step, and counted
+        # there.
+        held = sum(value.nbytes for value in kept) + sum(
+            leaf.nbytes
+            for leaf in keras.tree.flatten(batch)
+            if isinstance(leaf, torch.Tensor) and leaf.is_cuda
+        )
         step = getattr(self, f"{kind}_step")
 
         def measure(size):
             set_size(size)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
             try:
                 step(batch)
                 torch.cuda.synchronize(device)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 return None
-            return torch.cuda.max_memory_allocated(device)
+            return held + torch.cuda.max_memory_allocated(device) - before
 
         try:
             with self._sizes_probed(kind) as set_size:

@@ -158,19 +158,25 @@ class AutoMicroBatch:
     """A micro-batch sized to the memory the train step may use.
 
     Pass it (or `"auto"`, its defaults) as `AccumModel`'s
-    `micro_batch_size`. Before the first step of `fit` (and of `evaluate`
-    or `predict`, where they run first), the model finds the largest
+    `micro_batch_size`. Before the first train step of `fit` (and the
+    first test or predict step of `evaluate`, validation or `predict`,
+    each sized for its own step), the model finds the largest
     micro-batch whose step's peak memory stays within the budget,
-    `memory_limit × (1 - margin)`, for the batch `fit` was given, without
-    running a step that would not fit:
+    `memory_limit × (1 - margin)`, for the batch it was given, without
+    running a step that would not fit. A size that was the whole of a
+    smaller batch is searched again for a larger one. The peak is the
+    model's own (its state, its batch, what its step allocates), not
+    what other models in the process hold:
 
     - JAX: from the compiled step's memory analysis (XLA's buffer
       assignment: the state, the batch and the step's temporaries), for
       every new shape of batch before it runs;
     - TensorFlow (graph and XLA) and PyTorch on CUDA: from the allocator's
-      peak over probe steps on the first batch at small sizes,
-      extrapolated, then checked at the size chosen; the probes' updates
-      are undone;
+      peak over probe steps on the first batch at small sizes (above the
+      bytes in use before each), extrapolated, then checked at the size
+      chosen; the probes' updates are undone. TensorFlow's CPU allocator
+      keeps figures only with `TF_CPU_ALLOCATOR_USE_BFC=true` set before
+      TensorFlow is imported; without them "auto" is refused, naming it;
     - PyTorch on a CPU has no allocator figures: refused (give an int).
 
     Every size from 1 to the batch is a candidate, not only powers of 2.

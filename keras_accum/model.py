@@ -218,12 +218,18 @@ class AccumModel(_Trainer, keras.Model):
             replica or device splits its own part of the batch.
             `"auto"` picks the largest
             size whose step fits the device's memory (see
-            `AutoMicroBatch`). With either, a train step that runs out of
-            memory (TensorFlow's `ResourceExhaustedError`, JAX's
-            `RESOURCE_EXHAUSTED`, `torch.OutOfMemoryError`) is undone and
-            its batch redone at half the micro-batch, with a warning naming
-            both sizes: the update is the same, only slower. Not with an
-            `accum_steps` other than 1. See the guide "Batches that fit".
+            `AutoMicroBatch`), for the train, test (`evaluate`,
+            validation) and predict steps each on its own. With either, a
+            train step that runs out of memory (TensorFlow's
+            `ResourceExhaustedError`, JAX's `RESOURCE_EXHAUSTED`,
+            `torch.OutOfMemoryError`) is undone and its batch redone at
+            half the micro-batch, with a warning naming both sizes: the
+            update is the same, only slower. The halved size holds for
+            every later train batch until `compile()` or a new
+            `micro_batch_size` (this attribute still reads the setting;
+            `micro_batch_choices` records it); `evaluate` and `predict`
+            keep theirs. Not with an `accum_steps` other than 1. See the
+            guide "Batches that fit".
             Defaults to `None` (each batch a micro-batch).
         accumulator_dtype: None, `"float32"` or `"bfloat16"` (or a dtype
             object `keras.backend.standardize_dtype` reads as one of them,
