@@ -686,6 +686,8 @@ def _piece(data, start, size, shards=1):
     device holds of the batch, sliced where it is."""
 
     def sliced(t):
+        if t is None:  # No sample weight (`train_on_batch(x, y)`).
+            return None
         if shards == 1:
             return jax.lax.dynamic_slice_in_dim(t, start, size)
         blocks = t.reshape((shards, t.shape[0] // shards, *t.shape[1:]))

@@ -407,3 +407,35 @@ def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
     assert int(resumed.optimizer.iterations) == 9
     for a, b in zip(whole.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- What a batch may hold ----------------------------------------------------
+
+
+def test_no_sample_weight_in_every_entry_point():
+    # `train_on_batch` and `test_on_batch` without weights, and batches of
+    # `(x, y, None)` from a generator: the weight is None in the step.
+    x, y = regression_data(n=N)
+    plain = _compiled(mlp(), metrics=["mae"])
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=["mae"]
+    )
+    for model in (plain, accum):
+        model.train_on_batch(x[:B], y[:B])
+    np.testing.assert_allclose(
+        accum.test_on_batch(x[:B], y[:B]),
+        plain.test_on_batch(x[:B], y[:B]),
+        rtol=1e-5,
+    )
+
+    def batches():
+        for start in range(B, N, B):
+            yield x[start : start + B], y[start : start + B], None
+
+    common = {"epochs": 1, "shuffle": False, "verbose": 0}
+    expected = plain.fit(batches(), **common).history
+    found = accum.fit(batches(), **common).history
+    assert int(accum.optimizer.iterations) == 3
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(found[key], expected[key], rtol=1e-5)
+    assert_equivalent(accum, plain.get_weights())
