@@ -439,3 +439,24 @@ def test_no_sample_weight_in_every_entry_point():
     for key in ("loss", "mae"):
         np.testing.assert_allclose(found[key], expected[key], rtol=1e-5)
     assert_equivalent(accum, plain.get_weights())
+
+
+def test_the_logger_reports_each_batch_as_one_window():
+    # Batches of 32 split into 5 micro-batches (4 of 7 and 1 of 4), the
+    # epoch's last batch of 6 into 1: the epoch logs name the full batch.
+    x, y = regression_data(n=N)
+    model = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
+    logger = keras_accum.PseudoBatchLogger()
+    history = model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    records = [(u.micro_batches, u.samples) for u in logger.updates]
+    assert records == [(5, 32), (5, 32), (1, 6)] * 2
+    assert history.history["pseudo_batch_window_length"] == [5, 5]
+    assert history.history["pseudo_batch_size"] == [32, 32]
