@@ -460,3 +460,79 @@ def test_the_logger_reports_each_batch_as_one_window():
     assert records == [(5, 32), (5, 32), (1, 6)] * 2
     assert history.history["pseudo_batch_window_length"] == [5, 5]
     assert history.history["pseudo_batch_size"] == [32, 32]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="Keras takes no sparse inputs on PyTorch",
+)
+def test_sparse_inputs_split_by_rows(report_diff):
+    # `tf.SparseTensor` batches on TensorFlow, `BCOO` on JAX (Keras's
+    # conversion of a SciPy matrix).
+    import scipy.sparse
+
+    rng = np.random.default_rng(6)
+    # Two stored values a row: every batch of 32 holds as many (one shape
+    # for JAX to compile).
+    dense = rng.normal(size=(N, 5)).astype("float32")
+    dense[rng.random((N, 5)).argsort(axis=1) >= 2] = 0.0
+    x = scipy.sparse.csr_matrix(dense)
+    y = rng.normal(size=(N, 3)).astype("float32")
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,), sparse=True)
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        return _compiled(cls(inputs, keras.layers.Dense(3)(hidden), **kwargs))
+
+    _split_against_plain(build, x, y, report_diff, "sparse")
+
+
+@pytest.mark.tensorflow_only(reason="tf.RaggedTensor")
+def test_ragged_inputs_split_by_rows(report_diff):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(7)
+    rows = [rng.normal(size=n).tolist() for n in rng.integers(1, 6, N)]
+    x = tf.ragged.constant(rows, dtype=tf.float32)
+    y = rng.normal(size=(N, 3)).astype("float32")
+
+    class RowSummary(keras.layers.Layer):
+        def call(self, x):
+            lengths = tf.cast(x.row_lengths(), "float32")
+            return tf.stack([tf.reduce_mean(x, axis=1), lengths], axis=1)
+
+        def compute_output_shape(self, input_shape):
+            return (input_shape[0], 2)
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((None,), ragged=True)
+        hidden = keras.layers.Dense(8, activation="tanh")(RowSummary()(inputs))
+        return _compiled(cls(inputs, keras.layers.Dense(3)(hidden), **kwargs))
+
+    _split_against_plain(build, x, y, report_diff, "ragged")
+
+
+def _split_against_plain(build, x, y, report_diff, label):
+    """`fit`, `evaluate` and `predict` at `micro_batch_size=M` against
+    `Model(B)`'s, on inputs `build`'s models take."""
+    plain = LargeBatch(build(keras.Model))
+    accum = build(keras_accum.AccumModel, micro_batch_size=M)
+    common = {"batch_size": B, "shuffle": False, "verbose": 0}
+    plain.fit(x, y, **common)
+    found = accum.fit(x, y, **common).history
+    assert int(accum.optimizer.iterations) == 3
+    assert_equivalent(found["loss"], plain, key="loss")
+    report_diff(assert_equivalent(accum, plain), f"micro_batch_size, {label}")
+    model = plain.model
+    np.testing.assert_allclose(
+        accum.evaluate(x, y, batch_size=B, verbose=0),
+        model.evaluate(x, y, batch_size=B, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        accum.predict(x, batch_size=B, verbose=0),
+        model.predict(x, batch_size=B, verbose=0),
+        atol=1e-6,
+    )
