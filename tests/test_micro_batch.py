@@ -536,3 +536,44 @@ def _split_against_plain(build, x, y, report_diff, label):
         model.predict(x, batch_size=B, verbose=0),
         atol=1e-6,
     )
+
+
+def _batch_mean_error(y_true, y_pred):
+    # One value per batch.
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred))
+
+
+def _sample_mean_error(y_true, y_pred):
+    # One value per sample: the same mean, over the samples, once Keras's
+    # `Mean` adds them up.
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
+def test_a_metric_of_one_value_per_batch_is_warned_of():
+    x, y = regression_data(n=N)
+    metrics = [_batch_mean_error, _sample_mean_error]
+    plain = _compiled(mlp(), metrics=metrics)
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=metrics
+    )
+    common = {"batch_size": B, "verbose": 0}
+    data = {"validation_data": (x[:40], y[:40]), "shuffle": False}
+    expected = plain.fit(x, y, epochs=2, **common, **data).history
+    with pytest.warns(UserWarning) as caught:
+        found = accum.fit(x, y, epochs=2, **common, **data).history
+        evaluated = accum.evaluate(x, y, return_dict=True, **common)
+    messages = [str(w.message) for w in caught if "per batch" in str(w)]
+    # Once, naming the metric and the setting; the per-sample one exact.
+    assert len(messages) == 1, messages
+    assert "`_batch_mean_error`" in messages[0]
+    assert "micro_batch_size=7" in messages[0]
+    for key in ("_sample_mean_error", "val__sample_mean_error", "loss"):
+        np.testing.assert_allclose(found[key], expected[key], rtol=1e-5)
+    np.testing.assert_allclose(
+        evaluated["_sample_mean_error"],
+        plain.evaluate(x, y, return_dict=True, **common)["_sample_mean_error"],
+        rtol=1e-5,
+    )
+    # What the warning says: the per-batch one is not the batch's.
+    key = "_batch_mean_error"
+    assert abs(found[key][0] - expected[key][0]) > 1e-4
