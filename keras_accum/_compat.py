@@ -360,6 +360,27 @@ def compiled_parts(model):
     )
 
 
+def metric_function_values(model, y_true, y_pred) -> list:
+    """`(metric, values)` for each compiled metric that wraps a function
+    (`MeanMetricWrapper`), `values` its function on the predictions of
+    its output (`CompileMetrics._flat_metrics` and
+    `_flat_weighted_metrics` pair them, after `_flatten_y`); [] before
+    the compiled metrics are built."""
+    metrics = compiled_parts(model)[1]
+    if metrics is None or not metrics.built:
+        return []
+    y_true = metrics._flatten_y(y_true)
+    y_pred = metrics._flatten_y(y_pred)
+    found = []
+    for group in (metrics._flat_metrics, metrics._flat_weighted_metrics):
+        for listed, y_t, y_p in zip(group, y_true, y_pred, strict=False):
+            for metric in listed.metrics if listed else []:
+                if isinstance(metric, keras.metrics.MeanMetricWrapper):
+                    values = metric._fn(y_t, y_p, **metric._fn_kwargs)
+                    found.append((metric, values))
+    return found
+
+
 def flat_losses(model):
     """Each compiled loss (for its `reduction`), or None."""
     return getattr(compiled_parts(model)[0], "_flat_losses", None)
@@ -437,6 +458,11 @@ PRIVATE_MEMBERS = {
     "_flat_losses": "CompileLoss: each loss, for its `reduction`",
     "_compile_metrics": "Trainer: whether the compiled metrics are built",
     "_update_metrics_variables": "JAXTrainer: the step's metric updates",
+    "_flat_metrics": "CompileMetrics: each output's metrics",
+    "_flat_weighted_metrics": "CompileMetrics: each output's weighted ones",
+    "_flatten_y": "CompileMetrics: the outputs, in its metrics' order",
+    "_fn": "MeanMetricWrapper: the function it averages",
+    "_fn_kwargs": "MeanMetricWrapper: that function's arguments",
     "_flatten_layers": "Layer: every sublayer",
     "_seed_generators": "Layer: its random number generators",
     "_trainable_variables": "Layer: its weights made trainable, frozen too",

@@ -23,6 +23,7 @@ import warnings
 from typing import Any, NamedTuple
 
 import jax
+import jax.experimental.sparse
 import keras
 
 from keras_accum import _compat, _jax_devices, _sizing, _window
@@ -259,6 +260,16 @@ class JaxAccumTrainer(AccumTrainer):
             i for i in keras.tree.flatten(x) if i is not None
         ).shape[0]
         shards = _jax_devices.data_shards()
+        if shards > 1 and any(
+            isinstance(t, jax.experimental.sparse.BCOO)
+            for t in keras.tree.flatten(data)
+        ):
+            raise ValueError(
+                "`micro_batch_size` cannot split a sparse (BCOO) batch that "
+                f"a `keras.distribution` shards over {shards} devices: "
+                "densify it, or unset `micro_batch_size`. Received: "
+                f"micro_batch_size={self._micro_batch_size!r}"
+            )
         # Keras's distribution refuses a batch its devices cannot share
         # evenly before the step.
         local = batch_size // shards
@@ -686,6 +697,10 @@ def _piece(data, start, size, shards=1):
     device holds of the batch, sliced where it is."""
 
     def sliced(t):
+        if t is None:  # No sample weight (`train_on_batch(x, y)`).
+            return None
+        if isinstance(t, jax.experimental.sparse.BCOO):
+            return _sparse_piece(t, start, size, shards)
         if shards == 1:
             return jax.lax.dynamic_slice_in_dim(t, start, size)
         blocks = t.reshape((shards, t.shape[0] // shards, *t.shape[1:]))
@@ -693,6 +708,16 @@ def _piece(data, start, size, shards=1):
         return piece.reshape((shards * size, *t.shape[1:]))
 
     return keras.tree.map_structure(sliced, data)
+
+
+def _sparse_piece(t, start, size, shards):
+    """`size` rows from `start` of a sparse batch (`BCOO`): its stored
+    elements outside them dropped, as many kept (a shape XLA knows)."""
+    del shards  # 1: `_split_sizes` refuses more.
+    starts = (start,) + (0,) * (t.ndim - 1)
+    return jax.experimental.sparse.bcoo_dynamic_slice(
+        t, starts, (size, *t.shape[1:])
+    )
 
 
 def _joined(stacked, last, shards):

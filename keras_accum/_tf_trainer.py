@@ -629,6 +629,23 @@ def _sliced(data, start, size):
     def piece(t):
         if t is None:
             return None
+        if isinstance(t, tf.RaggedTensor):
+            # Rows of a ragged tensor: its row splits, sliced.
+            start_ = tf.cast(start, t.row_splits.dtype)
+            return t[start_ : start_ + tf.cast(size, t.row_splits.dtype)]
+        if isinstance(t, tf.SparseTensor):
+            rest = t.shape.rank - 1
+            begin = tf.stack([tf.cast(start, tf.int64)] + [0] * rest)
+            extent = tf.concat(
+                [[tf.cast(size, tf.int64)], t.dense_shape[1:]], 0
+            )
+            sliced = tf.sparse.slice(t, begin, extent)
+            # Static shape for the layers (the batch dimension unknown).
+            return tf.SparseTensor(
+                sliced.indices,
+                sliced.values,
+                tf.ensure_shape(sliced.dense_shape, t.dense_shape.shape),
+            )
         rest = t.shape.rank - 1
         begin = tf.stack([tf.cast(start, tf.int32)] + [0] * rest)
         extent = tf.stack([tf.cast(size, tf.int32)] + [-1] * rest)

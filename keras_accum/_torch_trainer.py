@@ -144,16 +144,27 @@ class TorchAccumTrainer(AccumTrainer):
         return True
 
     def _split_snapshot(self):
-        return [
+        values = [
             (v, _compat.backing_value(v).detach().clone())
             for v in self._step_written_variables()
         ]
+        # An unseeded `Dropout` on PyTorch draws from torch's global
+        # generators, not from a Keras `SeedGenerator`'s variable: the
+        # redo draws what the first attempt drew.
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state_all()
+        return values, torch.get_rng_state(), cuda
 
     def _split_restore(self, kept, state, error):
         del error
+        values, cpu, cuda = kept
         with torch.no_grad():
-            for variable, value in kept:
+            for variable, value in values:
                 _assign_in_place(variable, value)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
         return state
 
     def _cuda_device(self):

@@ -70,6 +70,9 @@ class WindowLife:
             size is known only when it runs). None otherwise.
         split: With `micro_batch_size`, the sizes in force and the
             choices made (`_sizing.SplitSizes`).
+        batch_metrics_checked: Whether the split step looked for
+            metrics of one value per batch (`_warn_of_batch_metrics`),
+            once after `compile`.
     """
 
     refs: list | None = None
@@ -84,6 +87,7 @@ class WindowLife:
     split: _sizing.SplitSizes = dataclasses.field(
         default_factory=_sizing.SplitSizes
     )
+    batch_metrics_checked: bool = False
 
 
 class AccumTrainer:
@@ -462,6 +466,39 @@ class AccumTrainer:
             setattr(self, f"{kind}_function", kept)
 
     # -- A batch split into micro-batches (`micro_batch_size`) ---------------
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        if (
+            self._micro_batch_size is not None
+            and not self._life.batch_metrics_checked
+        ):
+            self._warn_of_batch_metrics(y, y_pred)
+        return logs
+
+    def _warn_of_batch_metrics(self, y, y_pred) -> None:
+        """Warns of each compiled metric function whose value has no batch
+        dimension: split, it is averaged over micro-batches, each counted
+        once, where `keras.Model` averages it over batches. Its values are
+        computed once, on the first micro-batch after `compile` (unused:
+        a compiled step drops them)."""
+        found = _compat.metric_function_values(self, y, y_pred)
+        # Built by the update before; unbuilt, nothing is compiled.
+        self._life.batch_metrics_checked = True
+        for metric, values in found:
+            if len(ops.shape(values)) > 0:
+                continue
+            warnings.warn(
+                f"The metric `{metric.name}` returns one value per batch "
+                "(a scalar), not one per sample: with `micro_batch_size` "
+                "it is computed on each micro-batch and averaged over "
+                "them, so its logs differ from `keras.Model`'s at the "
+                "batch. Return one value per sample (e.g. "
+                "`ops.mean(..., axis=-1)` rather than `ops.mean(...)`), "
+                "which the split adds up exactly, or train unsplit. "
+                f"Received: micro_batch_size={self._micro_batch_size!r}",
+                stacklevel=2,
+            )
 
     def _split_size(self, kind: str) -> int:
         """The micro-batch size a step of `kind` (`"train"`, `"test"`,

@@ -76,6 +76,11 @@ class PseudoBatchLogger(keras.callbacks.Callback):
       samples: their length times the epoch's mean micro-batch (NaN for an
       epoch without updates).
 
+    With `micro_batch_size` (each batch one window, split in the step),
+    the last two are the epoch's largest batch's: the micro-batches it
+    split into and its samples (the epoch's shorter last batch is left
+    out, as Keras's `batch_size` leaves it out).
+
     The first two are NaN for an epoch without updates (possible only with
     `partial_window="carry"`). The keys are added before any other callback
     sees the epoch's logs, wherever this callback sits in the `callbacks`
@@ -297,17 +302,26 @@ class PseudoBatchLogger(keras.callbacks.Callback):
         logs["pseudo_batch_skipped_windows"] = max(
             0, self.model.skipped_windows - self._skipped_start
         )
-        length = self._next_window_length()
-        logs["pseudo_batch_window_length"] = length
-        # The effective batch of the windows to come: their length times
-        # the epoch's mean micro-batch.
         epoch_updates = self.updates[self._epoch_start :]
-        micro = sum(u.micro_batches for u in epoch_updates)
-        logs["pseudo_batch_size"] = (
-            length * sum(u.samples for u in epoch_updates) / micro
-            if micro
-            else float("nan")
-        )
+        if self.model.micro_batch_size is not None and epoch_updates:
+            # Split batches: each batch `fit` is given is a window, its
+            # length the micro-batches it split into. The epoch's largest
+            # batch is the one `fit` was given (a shorter last batch is
+            # the exception, as for `batch_size`).
+            full = max(epoch_updates, key=lambda u: u.samples)
+            logs["pseudo_batch_window_length"] = full.micro_batches
+            logs["pseudo_batch_size"] = float(full.samples)
+        else:
+            length = self._next_window_length()
+            logs["pseudo_batch_window_length"] = length
+            # The effective batch of the windows to come: their length
+            # times the epoch's mean micro-batch.
+            micro = sum(u.micro_batches for u in epoch_updates)
+            logs["pseudo_batch_size"] = (
+                length * sum(u.samples for u in epoch_updates) / micro
+                if micro
+                else float("nan")
+            )
         if self.noise_scale:
             logs["pseudo_batch_noise_scale"] = self.noise_scale_estimate
             logs["pseudo_batch_critical_batch_size"] = self.critical_batch_size

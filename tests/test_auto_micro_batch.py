@@ -625,6 +625,52 @@ def test_out_of_memory_shrinks_and_redoes_the_batch_exactly():
 
 
 @pytest.mark.skipif(
+    BACKEND == "jax",
+    reason="JAX's step is a function of its state argument, which the "
+    "redo passes again (the seed generators' among it): no attempt "
+    "changes it; the shrink test above covers JAX's redo",
+)
+def test_a_redone_step_draws_the_same_dropout_masks():
+    """An unseeded `Dropout` (PyTorch's global generator; a Keras
+    `SeedGenerator` elsewhere) draws in the failed attempt: the redo
+    restores the draws, and trains as a run that never failed."""
+    x, y = _oom_data()
+
+    def run(limit, size):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        hidden = OutOfMemoryAbove(limit)(inputs)
+        hidden = keras.layers.Dense(16, activation="tanh")(hidden)
+        hidden = keras.layers.Dropout(0.5)(hidden)
+        outputs = keras.layers.Dense(3)(hidden)
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=size)
+        model.compile(optimizer="adam", loss="mse")
+        keras.utils.set_random_seed(7)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(
+                x,
+                y,
+                batch_size=16,
+                shuffle=False,
+                verbose=0,
+                callbacks=[_Arm()],
+            )
+        shrinks = [w for w in caught if "ran out of memory" in str(w.message)]
+        return model, shrinks
+
+    # The first batch's first micro-batch of 8 trains (and draws its
+    # masks), the second runs out of memory: all is redone at 4.
+    redone, shrinks = run(LIMIT, 8)
+    assert len(shrinks) == 1, shrinks
+    whole, shrinks = run(None, 4)
+    assert not shrinks
+    assert int(redone.optimizer.iterations) == 2
+    for a, b in zip(redone.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+@pytest.mark.skipif(
     BACKEND == "torch", reason="'auto' is refused on a CPU (above)"
 )
 def test_auto_steps_around_sizes_whose_probe_runs_out_of_memory():

@@ -407,3 +407,173 @@ def test_a_killed_run_resumes_as_the_uninterrupted_one(tmp_path, save_freq):
     assert int(resumed.optimizer.iterations) == 9
     for a, b in zip(whole.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- What a batch may hold ----------------------------------------------------
+
+
+def test_no_sample_weight_in_every_entry_point():
+    # `train_on_batch` and `test_on_batch` without weights, and batches of
+    # `(x, y, None)` from a generator: the weight is None in the step.
+    x, y = regression_data(n=N)
+    plain = _compiled(mlp(), metrics=["mae"])
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=["mae"]
+    )
+    for model in (plain, accum):
+        model.train_on_batch(x[:B], y[:B])
+    np.testing.assert_allclose(
+        accum.test_on_batch(x[:B], y[:B]),
+        plain.test_on_batch(x[:B], y[:B]),
+        rtol=1e-5,
+    )
+
+    def batches():
+        for start in range(B, N, B):
+            yield x[start : start + B], y[start : start + B], None
+
+    common = {"epochs": 1, "shuffle": False, "verbose": 0}
+    expected = plain.fit(batches(), **common).history
+    found = accum.fit(batches(), **common).history
+    assert int(accum.optimizer.iterations) == 3
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(found[key], expected[key], rtol=1e-5)
+    assert_equivalent(accum, plain.get_weights())
+
+
+def test_the_logger_reports_each_batch_as_one_window():
+    # Batches of 32 split into 5 micro-batches (4 of 7 and 1 of 4), the
+    # epoch's last batch of 6 into 1: the epoch logs name the full batch.
+    x, y = regression_data(n=N)
+    model = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M))
+    logger = keras_accum.PseudoBatchLogger()
+    history = model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    records = [(u.micro_batches, u.samples) for u in logger.updates]
+    assert records == [(5, 32), (5, 32), (1, 6)] * 2
+    assert history.history["pseudo_batch_window_length"] == [5, 5]
+    assert history.history["pseudo_batch_size"] == [32, 32]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="Keras takes no sparse inputs on PyTorch",
+)
+def test_sparse_inputs_split_by_rows(report_diff):
+    # `tf.SparseTensor` batches on TensorFlow, `BCOO` on JAX (Keras's
+    # conversion of a SciPy matrix).
+    import scipy.sparse
+
+    rng = np.random.default_rng(6)
+    # Two stored values a row: every batch of 32 holds as many (one shape
+    # for JAX to compile).
+    dense = rng.normal(size=(N, 5)).astype("float32")
+    dense[rng.random((N, 5)).argsort(axis=1) >= 2] = 0.0
+    x = scipy.sparse.csr_matrix(dense)
+    y = rng.normal(size=(N, 3)).astype("float32")
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,), sparse=True)
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        return _compiled(cls(inputs, keras.layers.Dense(3)(hidden), **kwargs))
+
+    _split_against_plain(build, x, y, report_diff, "sparse")
+
+
+@pytest.mark.tensorflow_only(reason="tf.RaggedTensor")
+def test_ragged_inputs_split_by_rows(report_diff):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(7)
+    rows = [rng.normal(size=n).tolist() for n in rng.integers(1, 6, N)]
+    x = tf.ragged.constant(rows, dtype=tf.float32)
+    y = rng.normal(size=(N, 3)).astype("float32")
+
+    class RowSummary(keras.layers.Layer):
+        def call(self, x):
+            lengths = tf.cast(x.row_lengths(), "float32")
+            return tf.stack([tf.reduce_mean(x, axis=1), lengths], axis=1)
+
+        def compute_output_shape(self, input_shape):
+            return (input_shape[0], 2)
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((None,), ragged=True)
+        hidden = keras.layers.Dense(8, activation="tanh")(RowSummary()(inputs))
+        return _compiled(cls(inputs, keras.layers.Dense(3)(hidden), **kwargs))
+
+    _split_against_plain(build, x, y, report_diff, "ragged")
+
+
+def _split_against_plain(build, x, y, report_diff, label):
+    """`fit`, `evaluate` and `predict` at `micro_batch_size=M` against
+    `Model(B)`'s, on inputs `build`'s models take."""
+    plain = LargeBatch(build(keras.Model))
+    accum = build(keras_accum.AccumModel, micro_batch_size=M)
+    common = {"batch_size": B, "shuffle": False, "verbose": 0}
+    plain.fit(x, y, **common)
+    found = accum.fit(x, y, **common).history
+    assert int(accum.optimizer.iterations) == 3
+    assert_equivalent(found["loss"], plain, key="loss")
+    report_diff(assert_equivalent(accum, plain), f"micro_batch_size, {label}")
+    model = plain.model
+    np.testing.assert_allclose(
+        accum.evaluate(x, y, batch_size=B, verbose=0),
+        model.evaluate(x, y, batch_size=B, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        accum.predict(x, batch_size=B, verbose=0),
+        model.predict(x, batch_size=B, verbose=0),
+        atol=1e-6,
+    )
+
+
+def _batch_mean_error(y_true, y_pred):
+    # One value per batch.
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred))
+
+
+def _sample_mean_error(y_true, y_pred):
+    # One value per sample: the same mean, over the samples, once Keras's
+    # `Mean` adds them up.
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
+def test_a_metric_of_one_value_per_batch_is_warned_of():
+    x, y = regression_data(n=N)
+    metrics = [_batch_mean_error, _sample_mean_error]
+    plain = _compiled(mlp(), metrics=metrics)
+    accum = _compiled(
+        mlp(keras_accum.AccumModel, micro_batch_size=M), metrics=metrics
+    )
+    common = {"batch_size": B, "verbose": 0}
+    data = {"validation_data": (x[:40], y[:40]), "shuffle": False}
+    expected = plain.fit(x, y, epochs=2, **common, **data).history
+    with pytest.warns(UserWarning) as caught:
+        found = accum.fit(x, y, epochs=2, **common, **data).history
+        evaluated = accum.evaluate(x, y, return_dict=True, **common)
+    messages = [str(w.message) for w in caught if "per batch" in str(w)]
+    # Once, naming the metric and the setting; the per-sample one exact.
+    assert len(messages) == 1, messages
+    assert "`_batch_mean_error`" in messages[0]
+    assert "micro_batch_size=7" in messages[0]
+    for key in ("_sample_mean_error", "val__sample_mean_error", "loss"):
+        np.testing.assert_allclose(found[key], expected[key], rtol=1e-5)
+    np.testing.assert_allclose(
+        evaluated["_sample_mean_error"],
+        plain.evaluate(x, y, return_dict=True, **common)["_sample_mean_error"],
+        rtol=1e-5,
+    )
+    # What the warning says: the per-batch one is not the batch's.
+    key = "_batch_mean_error"
+    assert abs(found[key][0] - expected[key][0]) > 1e-4
