@@ -214,7 +214,11 @@ class AccumTrainer:
         self._window.counters.epoch.assign(life.epoch)
         life.epoch = life.steps_per_epoch = None
         self._restore_controller()
-        self._window.connect(self._saved_window_rules, self._after_window_load)
+        self._window.connect(
+            self._saved_window_rules,
+            self._assign_target_length,
+            self._check_window_load,
+        )
 
     def _create_window(self, length, close_hooks, make_variable=None):
         check_model(self)
@@ -338,10 +342,9 @@ class AccumTrainer:
         reached = int(kept["target_length"])
         return min(max(reached, auto.min_steps), auto.max_steps)
 
-    def _after_window_load(self):
-        self._assign_target_length()
+    def _check_window_load(self, values):
         warn_if_lora_reset(
-            _compat.sublayers(self), self.trainable_variables, self._window
+            _compat.sublayers(self), self.trainable_variables, values
         )
 
     def _assign_target_length(self):

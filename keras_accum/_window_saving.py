@@ -86,8 +86,8 @@ class SavedWindow(KerasSaveable):
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
     `counters`, with a variable for each name in `SAVED_COUNTERS`. The
     model tells it `load_rules`, a callable returning its `WindowRules`,
-    and `after_load` (`connect`); other modules reach it through the
-    methods below, never by setting its attributes.
+    `check_load` and `after_load` (`connect`); other modules reach it
+    through the methods below, never by setting its attributes.
 
     Where `partial_sums` is set (JAX under a `keras.distribution`), each
     accumulator has a leading axis of devices, each holding its partial
@@ -99,6 +99,11 @@ class SavedWindow(KerasSaveable):
 
     load_rules = None
     partial_sums = None
+    # Called with the checked entries of a saved window (as
+    # `check_saved_window` returns them) before any is assigned: the
+    # model's own checks, which may warn or raise and leave the window as
+    # it was.
+    check_load = None
     # Called with no arguments once a saved window has loaded: the model
     # sets the length of the windows to come from its own `accum_steps`
     # (kept from the file only under `accum_steps="auto"`).
@@ -113,10 +118,11 @@ class SavedWindow(KerasSaveable):
 
     # -- What other modules tell or ask the saved window -------------------
 
-    def connect(self, load_rules, after_load) -> None:
-        """The owning model's `load_rules` and `after_load` (above), told
-        once when it creates the window."""
+    def connect(self, load_rules, after_load, check_load=None) -> None:
+        """The owning model's `load_rules`, `after_load` and `check_load`
+        (above), told once when it creates the window."""
         self.load_rules, self.after_load = load_rules, after_load
+        self.check_load = check_load
 
     def hold_partial_sums(self, summed) -> None:
         """Marks the accumulators as per-device partial sums (JAX under a
@@ -155,7 +161,9 @@ class SavedWindow(KerasSaveable):
             if checked:
                 warnings.simplefilter("ignore")
             values = check_saved_window(store, self._shapes(), self._rules())
-        # Only once every entry passed: no half-loaded window.
+        if self.check_load is not None:
+            self.check_load(values)
+        # Only once every check passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
             if accumulator_key(i) not in values:
                 break  # a closed window of another trainable set
@@ -190,29 +198,8 @@ class SavedWindow(KerasSaveable):
         Formats it does not read (sharded or NumPy weights) are checked as
         the window loads.
         """
-        path = os.fspath(filepath)
-        try:
-            import h5py
-        except ImportError:  # Keras reads H5 with it; nothing to check.
-            return
-        if path.endswith(".weights.h5"):
-            with h5py.File(path, "r") as h5:
-                self._check_group(h5, f" in {path}")
-        elif path.endswith(".keras") and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                if "model.weights.h5" not in archive.namelist():
-                    return
-                with archive.open("model.weights.h5") as member:
-                    with h5py.File(member, "r") as h5:
-                        self._check_group(h5, f" in {path}")
-
-    def _check_group(self, h5, where):
-        # Keras's layout: each object's entries under `<path>/vars`.
-        group = h5.get(f"{SAVED_UNDER}/vars")
-        if group is None or not list(group.keys()):
-            return
-        check_saved_window(group, self._shapes(), self._rules(), where)
-        self._checked_file = True
+        if check_window_file(filepath, self._shapes(), self._rules()):
+            self._checked_file = True
 
     def _shapes(self):
         first = 1 if self.partial_sums else 0
@@ -220,6 +207,45 @@ class SavedWindow(KerasSaveable):
 
     def _rules(self):
         return self.load_rules() if self.load_rules else WindowRules()
+
+
+def check_window_file(filepath, shapes, rules: WindowRules) -> dict | None:
+    """The window saved in a weights or `.keras` file, checked
+    (`check_saved_window`); None where the file holds none, or has a
+    format this does not read (sharded or NumPy weights: checked as the
+    window loads)."""
+    path = os.fspath(filepath)
+    try:
+        import h5py
+    except ImportError:  # Keras reads H5 with it; nothing to check.
+        return None
+    where = f" in {path}"
+    if path.endswith(".weights.h5"):
+        with h5py.File(path, "r") as h5:
+            return _check_group(h5, shapes, rules, where)
+    if path.endswith(".keras") and zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if "model.weights.h5" not in archive.namelist():
+                return None
+            with archive.open("model.weights.h5") as member:
+                with h5py.File(member, "r") as h5:
+                    return _check_group(h5, shapes, rules, where)
+    return None
+
+
+def _check_group(h5, shapes, rules, where):
+    # Keras's layout: each object's entries under `<path>/vars`.
+    group = h5.get(f"{SAVED_UNDER}/vars")
+    if group is None or not list(group.keys()):
+        return None
+    return check_saved_window(group, shapes, rules, where)
+
+
+def saved_for_other_weights(values, shapes) -> bool:
+    """Whether a checked saved window (`check_saved_window`'s `values`)
+    was saved by a model with other trainable weights: its accumulators
+    were left out."""
+    return bool(shapes) and accumulator_key(0) not in values
 
 
 def _numpy_dtype(dtype):
@@ -426,17 +452,20 @@ def _dtype_name(value) -> str:
     return value.dtype.name
 
 
-def warn_if_lora_reset(layers, trainable_variables, window) -> None:
-    """Warns where a load left LoRA factors at zero while the open window
-    it restored holds gradients for them.
+def warn_if_lora_reset(layers, trainable_variables, values) -> None:
+    """Warns where a load leaves LoRA factors at zero while the open window
+    it restores holds gradients for them.
 
     Keras saves a LoRA layer's kernel with the LoRA update folded in and,
     on loading, sets the factors to zero (`Dense.load_own_variables`): the
     window's gradients then belong to factors that no longer exist, and
     training goes on differently from an uninterrupted run, as a plain
-    model resumed the same way does. Run after the window loaded.
+    model resumed the same way does. Keras loads the layers before the
+    window: run on the window's checked `values` (`check_saved_window`),
+    before any of them is assigned, so that a warning turned into an
+    error (`-W error`) leaves the window as it was.
     """
-    mini_step = int(read_array(window.counters.mini_step))
+    mini_step = int(values["mini_step"])
     if mini_step == 0:
         return
     index = {id(v): i for i, v in enumerate(trainable_variables)}
@@ -451,8 +480,8 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
         ]
         if not factors or any(np.any(read_array(v)) for v in factors):
             continue
-        held = [window.acc_grads[index[id(v)]] for v in factors]
-        if any(np.any(read_array(acc)) for acc in held):
+        held = [values.get(accumulator_key(index[id(v)])) for v in factors]
+        if any(h is not None and np.any(np.asarray(h)) for h in held):
             reset.append(layer.path)
     if reset:
         warnings.warn(

@@ -827,3 +827,65 @@ def test_a_weights_file_whose_lora_factors_load_as_zero_warns(tmp_path):
     with pytest.warns(UserWarning, match=r"LoRA factors of .*are zero.*open"):
         restored.load_weights(tmp_path / "open.weights.h5")
     assert restored.mini_step == 2
+
+
+def _bfloat16_lora_model(seed):
+    """LoRA factors large enough (128 x 128) for bfloat16 accumulators
+    under `accumulator_dtype="bfloat16"`, nonzero as after training."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((128,))
+    lora = keras.layers.Dense(128, name="lora")
+    outputs = keras.layers.Dense(1)(lora(inputs))
+    model = keras_accum.AccumModel(
+        inputs, outputs, accum_steps=K, accumulator_dtype="bfloat16"
+    )
+    lora.enable_lora(rank=128)
+    model.set_weights(
+        [w + 0.01 if not np.any(w) else w for w in model.get_weights()]
+    )
+    return _compiled(model)
+
+
+def test_an_open_bfloat16_window_loads_into_lora_layers_checked_first(
+    tmp_path,
+):
+    # Before, on PyTorch: `load_weights` raised "Got unsupported ScalarType
+    # BFloat16" (the LoRA check read the bfloat16 accumulators with
+    # `.numpy()`) after the window was assigned, and `load_model` of the
+    # `.keras` file failed. On every backend, the check ran after the
+    # window was assigned: a warning turned into an error left it changed.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6 * B, 128)).astype("float32")
+    y = rng.normal(size=(6 * B, 1)).astype("float32")
+    model = _bfloat16_lora_model(seed=0)
+    for i in range(6):
+        model.train_on_batch(x[i * B : (i + 1) * B], y[i * B : (i + 1) * B])
+    saved = _window_values(model)
+    assert saved[-3] == 2  # mini_step: an open window
+    dtypes = [
+        keras.backend.standardize_dtype(a.dtype) for a in model.accumulators
+    ]
+    assert dtypes.count("bfloat16") == 2  # the LoRA factors'
+    model.save_weights(tmp_path / "open.weights.h5")
+    model.save(tmp_path / "open.keras")
+
+    restored = _bfloat16_lora_model(seed=1)
+    restored.train_on_batch(x[:B], y[:B])
+    before = _window_values(restored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Keras reports the warning, raised, as the window's load failure.
+        with pytest.raises(ValueError, match=r"LoRA factors of 'lora'"):
+            restored.load_weights(tmp_path / "open.weights.h5")
+    # The check ran before the window was assigned: left as it was.
+    for a, b in zip(before, _window_values(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    with pytest.warns(UserWarning, match=r"LoRA factors of 'lora'.*open"):
+        restored.load_weights(tmp_path / "open.weights.h5")
+    for a, b in zip(saved, _window_values(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(UserWarning, match=r"LoRA factors of 'lora'.*open"):
+        loaded = keras.saving.load_model(tmp_path / "open.keras")
+    for a, b in zip(saved, _window_values(loaded), strict=True):
+        np.testing.assert_array_equal(a, b)
