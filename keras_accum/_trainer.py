@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from typing import Any
 
@@ -28,7 +29,11 @@ from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
-from keras_accum._window_saving import WindowRules, warn_if_lora_reset
+from keras_accum._window_saving import (
+    WindowRules,
+    saved_for_other_weights,
+    warn_if_lora_reset,
+)
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 
 # `_configure`'s default: a setting not given is kept.
@@ -341,6 +346,57 @@ class AccumTrainer:
         reached, within the (possibly new) bounds."""
         reached = int(kept["target_length"])
         return min(max(reached, auto.min_steps), auto.max_steps)
+
+    def _loads_as_plain_keras(self, filepath) -> bool:
+        """Whether `load_weights(filepath)` leaves the optimizer and the
+        window unbuilt, and warns why.
+
+        Where neither is built yet (right after `compile()`) and the file's
+        window was saved by a model with other trainable weights (LoRA of
+        another rank, layers frozen or unfrozen since), building them to
+        receive the file would receive optimizer variables of other
+        weights too, which Keras refuses after the layers have loaded.
+        Plain Keras skips an unbuilt optimizer's saved variables instead;
+        so does this, and the window starts afresh with it. An open window
+        of other weights raises here, before anything loads.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if self._window is not None or optimizer is None or optimizer.built:
+            return False
+        shapes = [tuple(v.shape) for v in self.trainable_weights]
+        with warnings.catch_warnings():
+            # Given again by the window's own check of the file, which
+            # follows where this returns False.
+            warnings.simplefilter("ignore")
+            mismatch = saved_for_other_weights(
+                filepath, shapes, self._saved_window_rules()
+            )
+        if not mismatch:
+            return False
+        lora = [
+            f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
+            for layer in _compat.sublayers(self)
+            if getattr(layer, "lora_enabled", False)
+        ]
+        lora = (
+            f" This model's LoRA layers: {', '.join(lora)}; a LoRA model "
+            "rebuilt with another rank loads each kernel with the saved "
+            "LoRA update folded in and its new factors at zero."
+            if lora
+            else ""
+        )
+        warnings.warn(
+            f"The accumulation window saved in {os.fspath(filepath)} holds "
+            f"{mismatch}: the file was saved by a model with other "
+            "trainable weights. Its window was closed (no micro-batch "
+            "waiting to be applied). As a plain `keras.Model` does with an "
+            "optimizer not built yet, the layers' weights load and the "
+            "optimizer starts afresh: Keras skips its saved variables, "
+            "which belong to the other weights. The window starts afresh "
+            f"with it, its counters not loaded.{lora}",
+            stacklevel=3,
+        )
+        return True
 
     def _check_window_load(self, values):
         warn_if_lora_reset(

@@ -209,11 +209,13 @@ class SavedWindow(KerasSaveable):
         return self.load_rules() if self.load_rules else WindowRules()
 
 
-def check_window_file(filepath, shapes, rules: WindowRules) -> dict | None:
+def check_window_file(
+    filepath, shapes, rules: WindowRules, changed=None
+) -> dict | None:
     """The window saved in a weights or `.keras` file, checked
-    (`check_saved_window`); None where the file holds none, or has a
-    format this does not read (sharded or NumPy weights: checked as the
-    window loads)."""
+    (`check_saved_window`, with `changed`); None where the file holds
+    none, or has a format this does not read (sharded or NumPy weights:
+    checked as the window loads)."""
     path = os.fspath(filepath)
     try:
         import h5py
@@ -222,30 +224,39 @@ def check_window_file(filepath, shapes, rules: WindowRules) -> dict | None:
     where = f" in {path}"
     if path.endswith(".weights.h5"):
         with h5py.File(path, "r") as h5:
-            return _check_group(h5, shapes, rules, where)
+            return _check_group(h5, shapes, rules, where, changed)
     if path.endswith(".keras") and zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             if "model.weights.h5" not in archive.namelist():
                 return None
             with archive.open("model.weights.h5") as member:
                 with h5py.File(member, "r") as h5:
-                    return _check_group(h5, shapes, rules, where)
+                    return _check_group(h5, shapes, rules, where, changed)
     return None
 
 
-def _check_group(h5, shapes, rules, where):
+def _check_group(h5, shapes, rules, where, changed):
     # Keras's layout: each object's entries under `<path>/vars`.
     group = h5.get(f"{SAVED_UNDER}/vars")
     if group is None or not list(group.keys()):
         return None
-    return check_saved_window(group, shapes, rules, where)
+    return check_saved_window(group, shapes, rules, where, changed)
 
 
-def saved_for_other_weights(values, shapes) -> bool:
-    """Whether a checked saved window (`check_saved_window`'s `values`)
-    was saved by a model with other trainable weights: its accumulators
-    were left out."""
-    return bool(shapes) and accumulator_key(0) not in values
+def saved_for_other_weights(filepath, shapes, rules: WindowRules) -> str:
+    """How the trainable weights of the model that saved the window in
+    `filepath` differ from `shapes` (this model's); empty where they do
+    not, or the file holds no window. Raises as `check_saved_window`,
+    also where that window is open and was saved for other weights."""
+    found = []
+
+    def changed(mismatch, mini_step, where):
+        if mini_step:
+            _trainable_set_changed(mismatch, mini_step, where)  # raises
+        found.append(mismatch)
+
+    check_window_file(filepath, shapes, rules, changed)
+    return found[0] if found else ""
 
 
 def _numpy_dtype(dtype):
@@ -253,7 +264,9 @@ def _numpy_dtype(dtype):
     return ml_dtypes.bfloat16 if name.endswith(LOW_DTYPE) else np.dtype(name)
 
 
-def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
+def check_saved_window(
+    store, shapes, rules: WindowRules, where=None, changed=None
+) -> dict:
     """The saved window's entries, each checked.
 
     Args:
@@ -262,6 +275,9 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
         shapes: The accumulators' shapes, one per trainable weight.
         rules: The loading model's `WindowRules`.
         where: ` in <file>` for messages; by default what `store` tells.
+        changed: Called as `changed(mismatch, mini_step, where)` where the
+            accumulators do not match the trainable weights, instead of
+            the warning or error below; by default those.
 
     Returns:
         A dict from entry name to its value: the accumulators as `store`
@@ -297,7 +313,8 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     expected = [accumulator_key(i) for i in range(len(shapes))]
     mismatch = _trainable_mismatch(store, saved, expected, shapes)
     if mismatch:
-        _trainable_set_changed(mismatch, int(values["mini_step"]), where)
+        changed = changed or _trainable_set_changed
+        changed(mismatch, int(values["mini_step"]), where)
         # A closed window: the next micro-batch overwrites the
         # accumulators, which are left as they are.
         return values

@@ -13,7 +13,14 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from _helpers import accum_mlp, regression_data, run_in_fresh_process
+from _helpers import (
+    LargeBatch,
+    accum_mlp,
+    assert_equivalent,
+    mlp,
+    regression_data,
+    run_in_fresh_process,
+)
 
 import keras_accum
 
@@ -889,3 +896,64 @@ def test_an_open_bfloat16_window_loads_into_lora_layers_checked_first(
         loaded = keras.saving.load_model(tmp_path / "open.keras")
     for a, b in zip(saved, _window_values(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _lora_rank_mlp(model_cls, rank, **kwargs):
+    model = mlp(model_cls, **kwargs)
+    model.layers[1].enable_lora(rank=rank)
+    return _compiled(model)
+
+
+def test_a_lora_weights_file_loads_into_another_rank_as_in_keras(tmp_path):
+    # Before: `load_weights` right after `compile()` built the optimizer to
+    # receive the window, warned "nothing is lost", then Keras raised "The
+    # shape of the target variable ... variable.shape=(5, 4), Received:
+    # value.shape=(5, 2)" for `..._lora_kernel_a_momentum`, naming neither
+    # LoRA nor the rank, with the layers' weights already loaded.
+    x, y = regression_data(n=8 * B)
+    trained = _lora_rank_mlp(keras_accum.AccumModel, 2, accum_steps=K)
+    trained.fit(x, y, batch_size=B, verbose=0)
+    assert trained.mini_step == 0  # 2 windows, both applied
+    trained.save_weights(tmp_path / "rank2.weights.h5")
+    predicted = keras.ops.convert_to_numpy(trained.predict(x, verbose=0))
+    trained.train_on_batch(x[:B], y[:B])
+    trained.save_weights(tmp_path / "open.weights.h5")
+
+    model = _lora_rank_mlp(keras_accum.AccumModel, 4, accum_steps=K)
+    plain = _lora_rank_mlp(keras.Model, 4)
+    # An open window of other weights: refused before anything loads.
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"is open \(1 micro-batch.*LoRA"):
+        model.load_weights(tmp_path / "open.weights.h5")
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not model.optimizer.built
+    lora_path = re.escape(repr(model.layers[1].path))
+    with pytest.warns(UserWarning) as record:
+        model.load_weights(tmp_path / "rank2.weights.h5")
+    messages = "\n".join(str(w.message) for w in record)
+    assert re.search(
+        r"other trainable weights.*window was closed.*optimizer starts "
+        rf"afresh.*LoRA layers: {lora_path} \(rank 4\)",
+        messages,
+    ), messages
+    assert "Skipping variable loading for optimizer" in messages  # Keras's
+    assert "nothing is lost" not in messages
+    # Plain Keras, the same file: the layers load, the optimizer is skipped.
+    with pytest.warns(UserWarning, match="Skipping variable loading"):
+        plain.load_weights(tmp_path / "rank2.weights.h5")
+    assert not model.optimizer.built and not plain.optimizer.built
+    for loaded in (model, plain):
+        # The rank-2 update folded into the kernel, the new factors zero.
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(loaded.predict(x, verbose=0)),
+            predicted,
+            atol=1e-6,
+        )
+    # Both train on from there alike: the window at batch B x K equals
+    # the plain model at the large batch.
+    large_batch = LargeBatch(plain)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    large_batch.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    assert_equivalent(model, large_batch)
