@@ -32,6 +32,7 @@ from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
 from keras_accum._window_saving import (
     WindowRules,
     saved_for_other_weights,
+    saved_optimizer_shapes,
     warn_if_lora_reset,
 )
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
@@ -373,17 +374,9 @@ class AccumTrainer:
             )
         if not mismatch:
             return False
-        lora = [
-            f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
-            for layer in _compat.sublayers(self)
-            if getattr(layer, "lora_enabled", False)
-        ]
-        lora = (
-            f" This model's LoRA layers: {', '.join(lora)}; a LoRA model "
-            "rebuilt with another rank loads each kernel with the saved "
-            "LoRA update folded in and its new factors at zero."
-            if lora
-            else ""
+        lora = self._lora_layers_text(
+            "a LoRA model rebuilt with another rank loads each kernel with "
+            "the saved LoRA update folded in and its new factors at zero."
         )
         warnings.warn(
             f"The accumulation window saved in {os.fspath(filepath)} holds "
@@ -397,6 +390,53 @@ class AccumTrainer:
             stacklevel=3,
         )
         return True
+
+    def _lora_layers_text(self, then: str) -> str:
+        """` This model's LoRA layers: 'path' (rank r), ...; <then>` for
+        messages; empty without LoRA."""
+        lora = [
+            f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
+            for layer in _compat.sublayers(self)
+            if getattr(layer, "lora_enabled", False)
+        ]
+        if not lora:
+            return ""
+        return f" This model's LoRA layers: {', '.join(lora)}; {then}"
+
+    def _check_saved_optimizer(self, filepath) -> None:
+        """Raises, before anything loads, where Keras would fail on the
+        optimizer variables saved in `filepath` after loading the layers'
+        weights: as many as this model's built optimizer has, one of
+        another shape (a LoRA model of another rank, say). Keras skips a
+        saved optimizer of another count itself, with a warning."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return
+        method = getattr(type(optimizer).load_own_variables, "__qualname__", "")
+        if method != "BaseOptimizer.load_own_variables":
+            return  # Stores its variables otherwise (a loss-scale wrapper).
+        saved = saved_optimizer_shapes(filepath)
+        variables = optimizer.variables
+        if saved is None or len(saved) != len(variables):
+            return
+        for variable, shape in zip(variables, saved, strict=True):
+            if tuple(variable.shape) == shape:
+                continue
+            lora = self._lora_layers_text(
+                "a LoRA model rebuilt with another rank has factors of "
+                "other shapes."
+            )
+            raise ValueError(
+                f"The optimizer state saved in {os.fspath(filepath)} is "
+                f"for other trainable weights: this model's optimizer "
+                f"variable `{variable.path}` has shape "
+                f"{tuple(variable.shape)}, the saved one {shape}. Keras "
+                "would load the layers' weights and then fail on it; "
+                f"nothing was loaded.{lora} To load the file's weights into "
+                "this model, `compile()` it with a new optimizer and call "
+                "`load_weights()` before training: Keras then skips the "
+                "saved optimizer state, as for a plain `keras.Model`."
+            )
 
     def _check_window_load(self, values):
         warn_if_lora_reset(

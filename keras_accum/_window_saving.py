@@ -15,6 +15,7 @@ instead of resuming into a window that trains differently.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -216,23 +217,47 @@ def check_window_file(
     (`check_saved_window`, with `changed`); None where the file holds
     none, or has a format this does not read (sharded or NumPy weights:
     checked as the window loads)."""
+    where = f" in {os.fspath(filepath)}"
+    with _weights_h5(filepath) as h5:
+        if h5 is None:
+            return None
+        return _check_group(h5, shapes, rules, where, changed)
+
+
+def saved_optimizer_shapes(filepath) -> list | None:
+    """The shapes of the optimizer variables saved in a weights or
+    `.keras` file, in Keras's order; None where it holds none or has a
+    format this does not read."""
+    with _weights_h5(filepath) as h5:
+        group = None if h5 is None else h5.get("optimizer/vars")
+        if group is None:
+            return None
+        keys = sorted(group.keys(), key=lambda key: int(key))
+        return [tuple(group[key].shape) for key in keys]
+
+
+@contextlib.contextmanager
+def _weights_h5(filepath):
+    """The H5 file of a `.weights.h5` or `.keras` file, open; None for
+    other formats."""
     path = os.fspath(filepath)
     try:
         import h5py
     except ImportError:  # Keras reads H5 with it; nothing to check.
-        return None
-    where = f" in {path}"
+        yield None
+        return
     if path.endswith(".weights.h5"):
         with h5py.File(path, "r") as h5:
-            return _check_group(h5, shapes, rules, where, changed)
+            yield h5
+        return
     if path.endswith(".keras") and zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
-            if "model.weights.h5" not in archive.namelist():
-                return None
-            with archive.open("model.weights.h5") as member:
-                with h5py.File(member, "r") as h5:
-                    return _check_group(h5, shapes, rules, where, changed)
-    return None
+            if "model.weights.h5" in archive.namelist():
+                with archive.open("model.weights.h5") as member:
+                    with h5py.File(member, "r") as h5:
+                        yield h5
+                return
+    yield None
 
 
 def _check_group(h5, shapes, rules, where, changed):

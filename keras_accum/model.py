@@ -655,9 +655,11 @@ class AccumModel(_Trainer, keras.Model):
             # The accumulators must exist to receive a saved open window.
             self._ensure_window()
         if self._window is not None and not skip_mismatch:
-            # Keras assigns the layers' weights before the window's: a bad
-            # window must fail before either. (With `skip_mismatch`, Keras
-            # warns and leaves the window as it is.)
+            # Keras assigns the layers' weights before the optimizer's and
+            # the window's: a bad optimizer state or window must fail
+            # before either. (With `skip_mismatch`, Keras warns and leaves
+            # them as they are.)
+            self._check_saved_optimizer(filepath)
             self._window.check_file(filepath)
         try:
             return super().load_weights(filepath, *args, **kwargs)

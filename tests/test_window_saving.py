@@ -957,3 +957,17 @@ def test_a_lora_weights_file_loads_into_another_rank_as_in_keras(tmp_path):
     large_batch.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations) == 2
     assert_equivalent(model, large_batch)
+    # Trained, its optimizer built for rank 4: Keras would load the
+    # layers, then fail on the optimizer's rank-2 slots (plain Keras
+    # does). Before: "nothing is lost", then that failure, half loaded.
+    trained_weights = model.get_weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "nothing is lost" first
+        with pytest.raises(
+            ValueError,
+            match=r"optimizer state saved in .* is for other trainable "
+            rf"weights.*nothing was loaded.*{lora_path} \(rank 4\)",
+        ):
+            model.load_weights(tmp_path / "rank2.weights.h5")
+    for a, b in zip(trained_weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
