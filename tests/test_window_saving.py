@@ -11,6 +11,7 @@ import zipfile
 
 import h5py
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from _helpers import (
@@ -896,6 +897,17 @@ def test_an_open_bfloat16_window_loads_into_lora_layers_checked_first(
         loaded = keras.saving.load_model(tmp_path / "open.keras")
     for a, b in zip(saved, _window_values(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_variable_reads_as_bfloat16_on_every_backend():
+    # The window's reader (the LoRA check's, the logger's). Before, on
+    # PyTorch: "Got unsupported ScalarType BFloat16".
+    from keras_accum._window_log import read_array
+
+    values = np.array([1.5, -2.25, 3.0e38], dtype=ml_dtypes.bfloat16)
+    read = read_array(keras.Variable(values, dtype="bfloat16"))
+    assert read.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(read, values)
 
 
 def _lora_rank_mlp(model_cls, rank, **kwargs):
