@@ -150,6 +150,39 @@ def compile_like_the_task(model):
 # --8<-- [end:compile]
 
 
+# --8<-- [start:lora]
+def is_lora_factor(variable):
+    return variable.path.rsplit("/", 1)[-1].startswith("lora_kernel_")
+
+
+def save_lora_run(task, directory):
+    """Everything a LoRA run trained. `save_lora_weights` writes the LoRA
+    factors only, while `enable_lora` leaves more trainable: the targeted
+    layers' biases, and the task's head outside the backbone (Keras and
+    KerasHub behaviour). Those are written beside the factors."""
+    task.backbone.save_lora_weights(os.path.join(directory, "run.lora.h5"))
+    rest = {
+        v.path: keras.ops.convert_to_numpy(v)
+        for v in task.trainable_weights
+        if not is_lora_factor(v)
+    }
+    np.savez(os.path.join(directory, "run.npz"), **rest)
+
+
+def load_lora_run(task, directory):
+    """Into `task` as it was before `enable_lora` (as `from_preset` builds
+    it): enables LoRA at the saved rank, loads the factors, then what
+    else trained."""
+    task.backbone.load_lora_weights(os.path.join(directory, "run.lora.h5"))
+    with np.load(os.path.join(directory, "run.npz")) as rest:
+        for v in task.trainable_weights:
+            if not is_lora_factor(v):
+                v.assign(rest[v.path])
+
+
+# --8<-- [end:lora]
+
+
 def main():
     if args.distribute:
         keras.distribution.set_distribution(model_parallel())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from typing import Any
 
@@ -29,7 +30,12 @@ from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_fields import FIELDS
 from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
-from keras_accum._window_saving import WindowRules, warn_if_lora_reset
+from keras_accum._window_saving import (
+    WindowRules,
+    saved_for_other_weights,
+    saved_optimizer_shapes,
+    warn_if_lora_reset,
+)
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
 
 # `_configure`'s default: a setting not given is kept.
@@ -261,7 +267,11 @@ class AccumTrainer:
         self._window.counters.epoch.assign(life.epoch)
         life.epoch = life.steps_per_epoch = None
         self._restore_controller()
-        self._window.connect(self._saved_window_rules, self._after_window_load)
+        self._window.connect(
+            self._saved_window_rules,
+            self._assign_target_length,
+            self._check_window_load,
+        )
 
     def _create_window(self, length, close_hooks, make_variable=None):
         check_model(self)
@@ -385,10 +395,99 @@ class AccumTrainer:
         reached = int(kept["target_length"])
         return min(max(reached, auto.min_steps), auto.max_steps)
 
-    def _after_window_load(self):
-        self._assign_target_length()
+    def _loads_as_plain_keras(self, filepath) -> bool:
+        """Whether `load_weights(filepath)` leaves the optimizer and the
+        window unbuilt, and warns why.
+
+        Where neither is built yet (right after `compile()`) and the file's
+        window was saved by a model with other trainable weights (LoRA of
+        another rank, layers frozen or unfrozen since), building them to
+        receive the file would receive optimizer variables of other
+        weights too, which Keras refuses after the layers have loaded.
+        Plain Keras skips an unbuilt optimizer's saved variables instead;
+        so does this, and the window starts afresh with it. An open window
+        of other weights raises here, before anything loads.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if self._window is not None or optimizer is None or optimizer.built:
+            return False
+        shapes = [tuple(v.shape) for v in self.trainable_weights]
+        with warnings.catch_warnings():
+            # Given again by the window's own check of the file, which
+            # follows where this returns False.
+            warnings.simplefilter("ignore")
+            mismatch = saved_for_other_weights(
+                filepath, shapes, self._saved_window_rules()
+            )
+        if not mismatch:
+            return False
+        lora = self._lora_layers_text(
+            "a LoRA model rebuilt with another rank loads each kernel with "
+            "the saved LoRA update folded in and its new factors at zero."
+        )
+        warnings.warn(
+            f"The accumulation window saved in {os.fspath(filepath)} holds "
+            f"{mismatch}: the file was saved by a model with other "
+            "trainable weights. Its window was closed (no micro-batch "
+            "waiting to be applied). As a plain `keras.Model` does with an "
+            "optimizer not built yet, the layers' weights load and the "
+            "optimizer starts afresh: Keras skips its saved variables, "
+            "which belong to the other weights. The window starts afresh "
+            f"with it, its counters not loaded.{lora}",
+            stacklevel=3,
+        )
+        return True
+
+    def _lora_layers_text(self, then: str) -> str:
+        """` This model's LoRA layers: 'path' (rank r), ...; <then>` for
+        messages; empty without LoRA."""
+        lora = [
+            f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
+            for layer in _compat.sublayers(self)
+            if getattr(layer, "lora_enabled", False)
+        ]
+        if not lora:
+            return ""
+        return f" This model's LoRA layers: {', '.join(lora)}; {then}"
+
+    def _check_saved_optimizer(self, filepath) -> None:
+        """Raises, before anything loads, where Keras would fail on the
+        optimizer variables saved in `filepath` after loading the layers'
+        weights: as many as this model's built optimizer has, one of
+        another shape (a LoRA model of another rank, say). Keras skips a
+        saved optimizer of another count itself, with a warning."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return
+        method = getattr(type(optimizer).load_own_variables, "__qualname__", "")
+        if method != "BaseOptimizer.load_own_variables":
+            return  # Stores its variables otherwise (a loss-scale wrapper).
+        saved = saved_optimizer_shapes(filepath)
+        variables = optimizer.variables
+        if saved is None or len(saved) != len(variables):
+            return
+        for variable, shape in zip(variables, saved, strict=True):
+            if tuple(variable.shape) == shape:
+                continue
+            lora = self._lora_layers_text(
+                "a LoRA model rebuilt with another rank has factors of "
+                "other shapes."
+            )
+            raise ValueError(
+                f"The optimizer state saved in {os.fspath(filepath)} is "
+                f"for other trainable weights: this model's optimizer "
+                f"variable `{variable.path}` has shape "
+                f"{tuple(variable.shape)}, the saved one {shape}. Keras "
+                "would load the layers' weights and then fail on it; "
+                f"nothing was loaded.{lora} To load the file's weights into "
+                "this model, `compile()` it with a new optimizer and call "
+                "`load_weights()` before training: Keras then skips the "
+                "saved optimizer state, as for a plain `keras.Model`."
+            )
+
+    def _check_window_load(self, values):
         warn_if_lora_reset(
-            _compat.sublayers(self), self.trainable_variables, self._window
+            _compat.sublayers(self), self.trainable_variables, values
         )
 
     def _assign_target_length(self):

@@ -9,6 +9,7 @@ the backends' modules so that the callback imports no backend.
 from __future__ import annotations
 
 import keras
+import ml_dtypes
 import numpy as np
 
 # Updates remembered for `PseudoBatchLogger` between two reads.
@@ -22,7 +23,9 @@ def read_array(variable) -> np.ndarray:
     TensorFlow and PyTorch tensors' `__array__` for a copy, which under
     NumPy 2 raises a `DeprecationWarning` at every read (plain Keras reads
     none of these variables, so it would be ours alone). Each backend's own
-    conversion copies without it.
+    conversion copies without it. A bfloat16 variable (an accumulator
+    under `accumulator_dtype="bfloat16"`, a weight under a bfloat16
+    policy) reads as `ml_dtypes.bfloat16` on every backend.
     """
     value = variable.value
     backend = keras.backend.backend()
@@ -30,8 +33,21 @@ def read_array(variable) -> np.ndarray:
         # Also reads (and sums) a per-replica variable under a strategy.
         return np.asarray(value.numpy())
     if backend == "torch":
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            # PyTorch's `numpy()` has no bfloat16 ("Got unsupported
+            # ScalarType BFloat16"): the same bits, read as NumPy's.
+            return value.view(_torch_int16()).numpy().view(ml_dtypes.bfloat16)
+        return value.numpy()
     return np.asarray(value)
+
+
+def _torch_int16():
+    # Imported here: this module is the callbacks', which import no
+    # backend.
+    import torch
+
+    return torch.int16
 
 
 def read_int(variable) -> int:

@@ -15,6 +15,7 @@ instead of resuming into a window that trains differently.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -86,8 +87,8 @@ class SavedWindow(KerasSaveable):
     Subclasses hold `acc_grads` (one accumulator per trainable weight) and
     `counters`, with a variable for each name in `SAVED_COUNTERS`. The
     model tells it `load_rules`, a callable returning its `WindowRules`,
-    and `after_load` (`connect`); other modules reach it through the
-    methods below, never by setting its attributes.
+    `check_load` and `after_load` (`connect`); other modules reach it
+    through the methods below, never by setting its attributes.
 
     Where `partial_sums` is set (JAX under a `keras.distribution`), each
     accumulator has a leading axis of devices, each holding its partial
@@ -99,6 +100,11 @@ class SavedWindow(KerasSaveable):
 
     load_rules = None
     partial_sums = None
+    # Called with the checked entries of a saved window (as
+    # `check_saved_window` returns them) before any is assigned: the
+    # model's own checks, which may warn or raise and leave the window as
+    # it was.
+    check_load = None
     # Called with no arguments once a saved window has loaded: the model
     # sets the length of the windows to come from its own `accum_steps`
     # (kept from the file only under `accum_steps="auto"`).
@@ -113,10 +119,11 @@ class SavedWindow(KerasSaveable):
 
     # -- What other modules tell or ask the saved window -------------------
 
-    def connect(self, load_rules, after_load) -> None:
-        """The owning model's `load_rules` and `after_load` (above), told
-        once when it creates the window."""
+    def connect(self, load_rules, after_load, check_load=None) -> None:
+        """The owning model's `load_rules`, `after_load` and `check_load`
+        (above), told once when it creates the window."""
         self.load_rules, self.after_load = load_rules, after_load
+        self.check_load = check_load
 
     def hold_partial_sums(self, summed) -> None:
         """Marks the accumulators as per-device partial sums (JAX under a
@@ -155,7 +162,9 @@ class SavedWindow(KerasSaveable):
             if checked:
                 warnings.simplefilter("ignore")
             values = check_saved_window(store, self._shapes(), self._rules())
-        # Only once every entry passed: no half-loaded window.
+        if self.check_load is not None:
+            self.check_load(values)
+        # Only once every check passed: no half-loaded window.
         for i, acc in enumerate(self.acc_grads):
             if accumulator_key(i) not in values:
                 break  # a closed window of another trainable set
@@ -190,29 +199,8 @@ class SavedWindow(KerasSaveable):
         Formats it does not read (sharded or NumPy weights) are checked as
         the window loads.
         """
-        path = os.fspath(filepath)
-        try:
-            import h5py
-        except ImportError:  # Keras reads H5 with it; nothing to check.
-            return
-        if path.endswith(".weights.h5"):
-            with h5py.File(path, "r") as h5:
-                self._check_group(h5, f" in {path}")
-        elif path.endswith(".keras") and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                if "model.weights.h5" not in archive.namelist():
-                    return
-                with archive.open("model.weights.h5") as member:
-                    with h5py.File(member, "r") as h5:
-                        self._check_group(h5, f" in {path}")
-
-    def _check_group(self, h5, where):
-        # Keras's layout: each object's entries under `<path>/vars`.
-        group = h5.get(f"{SAVED_UNDER}/vars")
-        if group is None or not list(group.keys()):
-            return
-        check_saved_window(group, self._shapes(), self._rules(), where)
-        self._checked_file = True
+        if check_window_file(filepath, self._shapes(), self._rules()):
+            self._checked_file = True
 
     def _shapes(self):
         first = 1 if self.partial_sums else 0
@@ -222,12 +210,88 @@ class SavedWindow(KerasSaveable):
         return self.load_rules() if self.load_rules else WindowRules()
 
 
+def check_window_file(
+    filepath, shapes, rules: WindowRules, changed=None
+) -> dict | None:
+    """The window saved in a weights or `.keras` file, checked
+    (`check_saved_window`, with `changed`); None where the file holds
+    none, or has a format this does not read (sharded or NumPy weights:
+    checked as the window loads)."""
+    where = f" in {os.fspath(filepath)}"
+    with _weights_h5(filepath) as h5:
+        if h5 is None:
+            return None
+        return _check_group(h5, shapes, rules, where, changed)
+
+
+def saved_optimizer_shapes(filepath) -> list | None:
+    """The shapes of the optimizer variables saved in a weights or
+    `.keras` file, in Keras's order; None where it holds none or has a
+    format this does not read."""
+    with _weights_h5(filepath) as h5:
+        group = None if h5 is None else h5.get("optimizer/vars")
+        if group is None:
+            return None
+        keys = sorted(group.keys(), key=lambda key: int(key))
+        return [tuple(group[key].shape) for key in keys]
+
+
+@contextlib.contextmanager
+def _weights_h5(filepath):
+    """The H5 file of a `.weights.h5` or `.keras` file, open; None for
+    other formats."""
+    path = os.fspath(filepath)
+    try:
+        import h5py
+    except ImportError:  # Keras reads H5 with it; nothing to check.
+        yield None
+        return
+    if path.endswith(".weights.h5"):
+        with h5py.File(path, "r") as h5:
+            yield h5
+        return
+    if path.endswith(".keras") and zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if "model.weights.h5" in archive.namelist():
+                with archive.open("model.weights.h5") as member:
+                    with h5py.File(member, "r") as h5:
+                        yield h5
+                return
+    yield None
+
+
+def _check_group(h5, shapes, rules, where, changed):
+    # Keras's layout: each object's entries under `<path>/vars`.
+    group = h5.get(f"{SAVED_UNDER}/vars")
+    if group is None or not list(group.keys()):
+        return None
+    return check_saved_window(group, shapes, rules, where, changed)
+
+
+def saved_for_other_weights(filepath, shapes, rules: WindowRules) -> str:
+    """How the trainable weights of the model that saved the window in
+    `filepath` differ from `shapes` (this model's); empty where they do
+    not, or the file holds no window. Raises as `check_saved_window`,
+    also where that window is open and was saved for other weights."""
+    found = []
+
+    def changed(mismatch, mini_step, where):
+        if mini_step:
+            _trainable_set_changed(mismatch, mini_step, where)  # raises
+        found.append(mismatch)
+
+    check_window_file(filepath, shapes, rules, changed)
+    return found[0] if found else ""
+
+
 def _numpy_dtype(dtype):
     name = str(getattr(dtype, "name", dtype))
     return ml_dtypes.bfloat16 if name.endswith(LOW_DTYPE) else np.dtype(name)
 
 
-def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
+def check_saved_window(
+    store, shapes, rules: WindowRules, where=None, changed=None
+) -> dict:
     """The saved window's entries, each checked.
 
     Args:
@@ -236,6 +300,9 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
         shapes: The accumulators' shapes, one per trainable weight.
         rules: The loading model's `WindowRules`.
         where: ` in <file>` for messages; by default what `store` tells.
+        changed: Called as `changed(mismatch, mini_step, where)` where the
+            accumulators do not match the trainable weights, instead of
+            the warning or error below; by default those.
 
     Returns:
         A dict from entry name to its value: the accumulators as `store`
@@ -271,7 +338,8 @@ def check_saved_window(store, shapes, rules: WindowRules, where=None) -> dict:
     expected = [accumulator_key(i) for i in range(len(shapes))]
     mismatch = _trainable_mismatch(store, saved, expected, shapes)
     if mismatch:
-        _trainable_set_changed(mismatch, int(values["mini_step"]), where)
+        changed = changed or _trainable_set_changed
+        changed(mismatch, int(values["mini_step"]), where)
         # A closed window: the next micro-batch overwrites the
         # accumulators, which are left as they are.
         return values
@@ -426,17 +494,20 @@ def _dtype_name(value) -> str:
     return value.dtype.name
 
 
-def warn_if_lora_reset(layers, trainable_variables, window) -> None:
-    """Warns where a load left LoRA factors at zero while the open window
-    it restored holds gradients for them.
+def warn_if_lora_reset(layers, trainable_variables, values) -> None:
+    """Warns where a load leaves LoRA factors at zero while the open window
+    it restores holds gradients for them.
 
     Keras saves a LoRA layer's kernel with the LoRA update folded in and,
     on loading, sets the factors to zero (`Dense.load_own_variables`): the
     window's gradients then belong to factors that no longer exist, and
     training goes on differently from an uninterrupted run, as a plain
-    model resumed the same way does. Run after the window loaded.
+    model resumed the same way does. Keras loads the layers before the
+    window: run on the window's checked `values` (`check_saved_window`),
+    before any of them is assigned, so that a warning turned into an
+    error (`-W error`) leaves the window as it was.
     """
-    mini_step = int(read_array(window.counters.mini_step))
+    mini_step = int(values["mini_step"])
     if mini_step == 0:
         return
     index = {id(v): i for i, v in enumerate(trainable_variables)}
@@ -451,8 +522,8 @@ def warn_if_lora_reset(layers, trainable_variables, window) -> None:
         ]
         if not factors or any(np.any(read_array(v)) for v in factors):
             continue
-        held = [window.acc_grads[index[id(v)]] for v in factors]
-        if any(np.any(read_array(acc)) for acc in held):
+        held = [values.get(accumulator_key(index[id(v)])) for v in factors]
+        if any(h is not None and np.any(np.asarray(h)) for h in held):
             reset.append(layer.path)
     if reset:
         warnings.warn(

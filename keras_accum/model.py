@@ -689,14 +689,20 @@ class AccumModel(_Trainer, keras.Model):
             return super().save_weights(path, overwrite, **kwargs)
 
     def load_weights(self, filepath, *args: Any, **kwargs: Any) -> None:
-        if getattr(self, "optimizer", None) is not None and self.built:
+        skip_mismatch = kwargs.get("skip_mismatch", args[0] if args else False)
+        if (
+            getattr(self, "optimizer", None) is not None
+            and self.built
+            and (skip_mismatch or not self._loads_as_plain_keras(filepath))
+        ):
             # The accumulators must exist to receive a saved open window.
             self._ensure_window()
-        skip_mismatch = kwargs.get("skip_mismatch", args[0] if args else False)
         if self._window is not None and not skip_mismatch:
-            # Keras assigns the layers' weights before the window's: a bad
-            # window must fail before either. (With `skip_mismatch`, Keras
-            # warns and leaves the window as it is.)
+            # Keras assigns the layers' weights before the optimizer's and
+            # the window's: a bad optimizer state or window must fail
+            # before either. (With `skip_mismatch`, Keras warns and leaves
+            # them as they are.)
+            self._check_saved_optimizer(filepath)
             self._window.check_file(filepath)
         try:
             return super().load_weights(filepath, *args, **kwargs)

@@ -11,9 +11,17 @@ import zipfile
 
 import h5py
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import accum_mlp, regression_data, run_in_fresh_process
+from _helpers import (
+    LargeBatch,
+    accum_mlp,
+    assert_equivalent,
+    mlp,
+    regression_data,
+    run_in_fresh_process,
+)
 
 import keras_accum
 
@@ -827,3 +835,151 @@ def test_a_weights_file_whose_lora_factors_load_as_zero_warns(tmp_path):
     with pytest.warns(UserWarning, match=r"LoRA factors of .*are zero.*open"):
         restored.load_weights(tmp_path / "open.weights.h5")
     assert restored.mini_step == 2
+
+
+def _bfloat16_lora_model(seed):
+    """LoRA factors large enough (128 x 128) for bfloat16 accumulators
+    under `accumulator_dtype="bfloat16"`, nonzero as after training."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((128,))
+    lora = keras.layers.Dense(128, name="lora")
+    outputs = keras.layers.Dense(1)(lora(inputs))
+    model = keras_accum.AccumModel(
+        inputs, outputs, accum_steps=K, accumulator_dtype="bfloat16"
+    )
+    lora.enable_lora(rank=128)
+    model.set_weights(
+        [w + 0.01 if not np.any(w) else w for w in model.get_weights()]
+    )
+    return _compiled(model)
+
+
+def test_an_open_bfloat16_window_loads_into_lora_layers_checked_first(
+    tmp_path,
+):
+    # Before, on PyTorch: `load_weights` raised "Got unsupported ScalarType
+    # BFloat16" (the LoRA check read the bfloat16 accumulators with
+    # `.numpy()`) after the window was assigned, and `load_model` of the
+    # `.keras` file failed. On every backend, the check ran after the
+    # window was assigned: a warning turned into an error left it changed.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6 * B, 128)).astype("float32")
+    y = rng.normal(size=(6 * B, 1)).astype("float32")
+    model = _bfloat16_lora_model(seed=0)
+    for i in range(6):
+        model.train_on_batch(x[i * B : (i + 1) * B], y[i * B : (i + 1) * B])
+    saved = _window_values(model)
+    assert saved[-3] == 2  # mini_step: an open window
+    dtypes = [
+        keras.backend.standardize_dtype(a.dtype) for a in model.accumulators
+    ]
+    assert dtypes.count("bfloat16") == 2  # the LoRA factors'
+    model.save_weights(tmp_path / "open.weights.h5")
+    model.save(tmp_path / "open.keras")
+
+    restored = _bfloat16_lora_model(seed=1)
+    restored.train_on_batch(x[:B], y[:B])
+    before = _window_values(restored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Keras reports the warning, raised, as the window's load failure.
+        with pytest.raises(ValueError, match=r"LoRA factors of 'lora'"):
+            restored.load_weights(tmp_path / "open.weights.h5")
+    # The check ran before the window was assigned: left as it was.
+    for a, b in zip(before, _window_values(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    with pytest.warns(UserWarning, match=r"LoRA factors of 'lora'.*open"):
+        restored.load_weights(tmp_path / "open.weights.h5")
+    for a, b in zip(saved, _window_values(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(UserWarning, match=r"LoRA factors of 'lora'.*open"):
+        loaded = keras.saving.load_model(tmp_path / "open.keras")
+    for a, b in zip(saved, _window_values(loaded), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_variable_reads_as_bfloat16_on_every_backend():
+    # The window's reader (the LoRA check's, the logger's). Before, on
+    # PyTorch: "Got unsupported ScalarType BFloat16".
+    from keras_accum._window_log import read_array
+
+    values = np.array([1.5, -2.25, 3.0e38], dtype=ml_dtypes.bfloat16)
+    read = read_array(keras.Variable(values, dtype="bfloat16"))
+    assert read.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(read, values)
+
+
+def _lora_rank_mlp(model_cls, rank, **kwargs):
+    model = mlp(model_cls, **kwargs)
+    model.layers[1].enable_lora(rank=rank)
+    return _compiled(model)
+
+
+def test_a_lora_weights_file_loads_into_another_rank_as_in_keras(tmp_path):
+    # Before: `load_weights` right after `compile()` built the optimizer to
+    # receive the window, warned "nothing is lost", then Keras raised "The
+    # shape of the target variable ... variable.shape=(5, 4), Received:
+    # value.shape=(5, 2)" for `..._lora_kernel_a_momentum`, naming neither
+    # LoRA nor the rank, with the layers' weights already loaded.
+    x, y = regression_data(n=8 * B)
+    trained = _lora_rank_mlp(keras_accum.AccumModel, 2, accum_steps=K)
+    trained.fit(x, y, batch_size=B, verbose=0)
+    assert trained.mini_step == 0  # 2 windows, both applied
+    trained.save_weights(tmp_path / "rank2.weights.h5")
+    predicted = keras.ops.convert_to_numpy(trained.predict(x, verbose=0))
+    trained.train_on_batch(x[:B], y[:B])
+    trained.save_weights(tmp_path / "open.weights.h5")
+
+    model = _lora_rank_mlp(keras_accum.AccumModel, 4, accum_steps=K)
+    plain = _lora_rank_mlp(keras.Model, 4)
+    # An open window of other weights: refused before anything loads.
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"is open \(1 micro-batch.*LoRA"):
+        model.load_weights(tmp_path / "open.weights.h5")
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not model.optimizer.built
+    lora_path = re.escape(repr(model.layers[1].path))
+    with pytest.warns(UserWarning) as record:
+        model.load_weights(tmp_path / "rank2.weights.h5")
+    messages = "\n".join(str(w.message) for w in record)
+    assert re.search(
+        r"other trainable weights.*window was closed.*optimizer starts "
+        rf"afresh.*LoRA layers: {lora_path} \(rank 4\)",
+        messages,
+    ), messages
+    assert "Skipping variable loading for optimizer" in messages  # Keras's
+    assert "nothing is lost" not in messages
+    # Plain Keras, the same file: the layers load, the optimizer is skipped.
+    with pytest.warns(UserWarning, match="Skipping variable loading"):
+        plain.load_weights(tmp_path / "rank2.weights.h5")
+    assert not model.optimizer.built and not plain.optimizer.built
+    for loaded in (model, plain):
+        # The rank-2 update folded into the kernel, the new factors zero.
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(loaded.predict(x, verbose=0)),
+            predicted,
+            atol=1e-6,
+        )
+    # Both train on from there alike: the window at batch B x K equals
+    # the plain model at the large batch.
+    large_batch = LargeBatch(plain)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    large_batch.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    assert_equivalent(model, large_batch)
+    # Trained, its optimizer built for rank 4: Keras would load the
+    # layers, then fail on the optimizer's rank-2 slots (plain Keras
+    # does). Before: "nothing is lost", then that failure, half loaded.
+    trained_weights = model.get_weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "nothing is lost" first
+        with pytest.raises(
+            ValueError,
+            match=r"optimizer state saved in .* is for other trainable "
+            rf"weights.*nothing was loaded.*{lora_path} \(rank 4\)",
+        ):
+            model.load_weights(tmp_path / "rank2.weights.h5")
+    for a, b in zip(trained_weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
