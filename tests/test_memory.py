@@ -331,13 +331,21 @@ def test_tensorflow_split_step_holds_a_micro_batch_not_the_batch(
         model = build()
         _compile(model, jit_compile=jit_compile)
         model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        held = info("CPU:0")["current"]
-        model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0)
-        measured[name] = info("CPU:0")["peak"] - held
+        peaks = []
+        # The graph executor's order moves a step's peak between runs of
+        # the same step (small 2.0-2.8 P, split 2.0-2.9 P over CI runs,
+        # once above the bound): the least of three.
+        for _ in range(3):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            held = info("CPU:0")["current"]
+            model.fit(
+                x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0
+            )
+            peaks.append(info("CPU:0")["peak"] - held)
+        measured[name] = min(peaks)
         p = _parameter_bytes(model)
         del model
-    assert measured["split"] <= measured["small"] + more * p
+    assert measured["split"] <= measured["small"] + more * p, (measured, p)
     assert measured["large"] >= 1.5 * measured["split"]
 
 
