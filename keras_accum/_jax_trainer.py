@@ -700,7 +700,7 @@ def _piece(data, start, size, shards=1):
         if t is None:  # No sample weight (`train_on_batch(x, y)`).
             return None
         if isinstance(t, jax.experimental.sparse.BCOO):
-            return _sparse_piece(t, start, size, shards)
+            return _sparse_piece(t, start, size)
         if shards == 1:
             return jax.lax.dynamic_slice_in_dim(t, start, size)
         blocks = t.reshape((shards, t.shape[0] // shards, *t.shape[1:]))
@@ -710,10 +710,10 @@ def _piece(data, start, size, shards=1):
     return keras.tree.map_structure(sliced, data)
 
 
-def _sparse_piece(t, start, size, shards):
-    """`size` rows from `start` of a sparse batch (`BCOO`): its stored
-    elements outside them dropped, as many kept (a shape XLA knows)."""
-    del shards  # 1: `_split_sizes` refuses more.
+def _sparse_piece(t, start, size):
+    """`size` rows from `start` of a sparse batch (`BCOO`) on one device
+    (`_split_sizes` refuses a sharded one): its stored elements outside
+    them dropped, as many kept (a shape XLA knows)."""
     starts = (start,) + (0,) * (t.ndim - 1)
     return jax.experimental.sparse.bcoo_dynamic_slice(
         t, starts, (size, *t.shape[1:])

@@ -349,6 +349,23 @@ class OpenWindows(keras.callbacks.Callback):
         self.mini_steps.append(self.model.mini_step)
 
 
+def _killed_after_epoch_one(tmp_path, backup):
+    """A `_carry_run` backed up to `backup` and killed in epoch 2; its
+    `OpenWindows`. 9 micro-batches an epoch, windows of 4 carried across
+    epochs: the backup at the end of epoch 1 holds an open window."""
+    open_windows = OpenWindows()
+    with pytest.raises(Killed):
+        _carry_run(
+            tmp_path,
+            [
+                keras.callbacks.BackupAndRestore(backup),
+                open_windows,
+                KillAt(2),
+            ],
+        )
+    return open_windows
+
+
 def _carry_run(tmp_path, callbacks, seed=1, accumulator_dtype="bfloat16"):
     x, y = regression_data(n=70, features=WIDE)
     model = _wide(
@@ -377,18 +394,7 @@ def test_a_resumed_run_draws_the_same_bits_and_ends_bit_identical(tmp_path):
     for a, b in zip(whole.get_weights(), again.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     backup = str(tmp_path / "backup")
-    open_windows = OpenWindows()
-    with pytest.raises(Killed):
-        # 9 micro-batches an epoch, windows of 4 carried across epochs:
-        # the backup at the end of epoch 1 holds an open window.
-        _carry_run(
-            tmp_path,
-            [
-                keras.callbacks.BackupAndRestore(backup),
-                open_windows,
-                KillAt(2),
-            ],
-        )
+    open_windows = _killed_after_epoch_one(tmp_path, backup)
     assert open_windows.mini_steps == [1, 2]
     # Another initial seed: the restored window brings back its own.
     resumed = _carry_run(
@@ -461,19 +467,10 @@ def test_a_resumed_run_under_data_parallel_ends_within_the_rounding(tmp_path):
         keras.distribution.DataParallel(devices=jax.devices())
     )
     backup = str(tmp_path / "backup")
-    open_windows = OpenWindows()
     try:
         whole = _carry_run(tmp_path, [])
         exact = _carry_run(tmp_path, [], accumulator_dtype=None)
-        with pytest.raises(Killed):
-            _carry_run(
-                tmp_path,
-                [
-                    keras.callbacks.BackupAndRestore(backup),
-                    open_windows,
-                    KillAt(2),
-                ],
-            )
+        open_windows = _killed_after_epoch_one(tmp_path, backup)
         resumed = _carry_run(
             tmp_path, [keras.callbacks.BackupAndRestore(backup)], seed=7
         )
