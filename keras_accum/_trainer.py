@@ -22,7 +22,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_accum import _compat, _sizing, _window
+from keras_accum import _compat, _settings, _sizing, _window
 from keras_accum import _normalizer as normalizers
 from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
@@ -37,9 +37,6 @@ from keras_accum._window_saving import (
     warn_if_lora_reset,
 )
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps
-
-# `_configure`'s default: a setting not given is kept.
-_KEEP = object()
 
 # What a recompile keeps of `"auto"`'s controller.
 KEPT_CONTROLLER = (
@@ -104,8 +101,8 @@ class AccumTrainer:
     and `_check_length_in_step`.
 
     The package's state on the model is set here and nowhere else: the
-    configuration (`_accum_steps`, `_partial_window`, `_micro_batch_size`,
-    `_noise_scale_every`, `_accumulator_dtype`, through `_configure`), the
+    settings (`_accum_steps` and the others of `_settings.SETTINGS`,
+    through `_configure`), the
     window (`_window`: its variables, under the saved format's name
     `_window_fields.SAVED_UNDER`) and the rest of its life (`_life`, a
     `WindowLife`).
@@ -117,61 +114,61 @@ class AccumTrainer:
     # `AccumModel` (`layers.py`).
     _accumulates_gradients = True
 
-    def _configure(
-        self,
-        *,
-        accum_steps=_KEEP,
-        partial_window=_KEEP,
-        micro_batch_size=_KEEP,
-        noise_every=_KEEP,
-        accumulator_dtype=_KEEP,
-        traced: bool = False,
-    ) -> None:
-        """Sets the settings given (validated by the caller), and drops
-        the compiled steps where a setting is traced into them
-        (`traced`)."""
-        if accum_steps is not _KEEP:
-            self._accum_steps = accum_steps
-        if partial_window is not _KEEP:
-            self._partial_window = partial_window
-        if micro_batch_size is not _KEEP:
-            self._micro_batch_size = micro_batch_size
-            # `evaluate` and `predict` split the batch too.
-            self.test_function = None
-            self.predict_function = None
-            if getattr(self, "_life", None) is not None:
-                self._life.split = _sizing.SplitSizes()
-        if noise_every is not _KEEP:
-            self._noise_scale_every = noise_every
-        if accumulator_dtype is not _KEEP:
-            # Read when the window is created (`_create_window`).
-            self._accumulator_dtype = accumulator_dtype
-        if traced:
-            self.train_function = None
-            if getattr(self, "_life", None) is not None:
-                self._life.flush_function = None
+    def _configure(self, values: dict) -> None:
+        """Sets the settings in `values` (checked by the caller; see
+        `_settings.SETTINGS`), and drops the compiled steps that read the
+        ones that change."""
+        life = getattr(self, "_life", None)
+        for name, value in values.items():
+            setting = _settings.BY_NAME[name]
+            old = getattr(self, setting.attribute, setting.default)
+            setattr(self, setting.attribute, value)
+            if setting.split:
+                # `evaluate` and `predict` split the batch too.
+                self.test_function = None
+                self.predict_function = None
+                if life is not None:
+                    life.split = _sizing.SplitSizes()
+            if setting.retraces(old, value):
+                self.train_function = None
+                if life is not None:
+                    life.flush_function = None
 
-    def _set_accumulator_dtype(self, value) -> None:
-        """Sets `accumulator_dtype` (checked by the caller). A window state
-        that exists (made by `fit`, `evaluate` or `load_weights`) gets new
-        accumulators in it and keeps its counters; an open window is
-        refused, its sum being in the old accumulators."""
-        if value == self._accumulator_dtype:
-            return
-        window = self._window
-        if window is not None:
-            open_steps = read_int(window.counters.mini_step)
-            if open_steps > 0:
-                raise ValueError(
-                    "`accumulator_dtype` cannot change while a window is "
-                    f"open ({open_steps} micro-batch(es) summed in the "
-                    "current accumulators): call `apply_partial_window()` "
-                    "first. Received: "
-                    f"accumulator_dtype={value!r}"
-                )
-        self._configure(accumulator_dtype=value, traced=True)
-        if window is not None:
-            self._remake_window(window)
+    def _setting_values(self) -> dict:
+        """Every setting's value as the model keeps it."""
+        return {s.name: getattr(self, s.attribute) for s in _settings.SETTINGS}
+
+    def _change_settings(self, values: dict) -> None:
+        """Sets the settings in `values` as their property setters do:
+        checked, each and with the rules across settings; one that may
+        not change with a window open is refused then; and each change
+        does what `_settings.SETTINGS` says."""
+        kept = self._setting_values()
+        for name, value in _settings.checked(values, kept).items():
+            setting = _settings.BY_NAME[name]
+            if value == kept[name] and not setting.every_set:
+                continue
+            window = self._window
+            if setting.while_open is not None and window is not None:
+                open_steps = read_int(window.counters.mini_step)
+                if open_steps > 0:
+                    raise ValueError(
+                        f"`{name}` cannot change while a window is open "
+                        f"({open_steps} micro-batch(es) "
+                        f"{setting.while_open}): call "
+                        "`apply_partial_window()` first. Received: "
+                        f"{name}={value!r}"
+                    )
+            self._configure({name: value})
+            if setting.changed is not None:
+                getattr(self, setting.changed)()
+
+    def _remake_accumulators(self) -> None:
+        """After `accumulator_dtype` changed: a window state that exists
+        (made by `fit`, `evaluate` or `load_weights`) gets new
+        accumulators in the new dtype and keeps its counters."""
+        if self._window is not None:
+            self._remake_window(self._window)
 
     def _remake_window(self, old) -> None:
         """A new window state in place of `old`, whose window is closed:
@@ -943,8 +940,7 @@ class AccumTrainer:
 
     def _set_noise_scale_every(self, every: int) -> None:
         # Part of the traced step: a change retraces it once.
-        if every != self._noise_scale_every:
-            self._configure(noise_every=every, traced=True)
+        self._change_settings({"noise_scale_every": every})
 
     # -- Epoch boundaries (told by `_window_epochs.WindowEpochs`) -------------
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import keras
 
+from keras_accum import _settings
 from keras_accum._compat import (
     Functional,
     Trainer,
@@ -30,18 +31,7 @@ from keras_accum._compat import (
     model_keywords,
 )
 from keras_accum._files import replaced_whole
-from keras_accum._schedules import (
-    deserialize_accum_steps,
-    serialize_accum_steps,
-)
-from keras_accum._validation import (
-    check_accum_schedule,
-    check_accumulator_dtype,
-    check_keywords,
-    check_micro_batch_size,
-    check_partial_window,
-    check_split_mode,
-)
+from keras_accum._validation import check_keywords
 from keras_accum._window_epochs import WindowEpochs, WindowResume
 from keras_accum._window_log import read_int
 from keras_accum.auto import AutoAccumSteps, AutoMicroBatch
@@ -305,24 +295,16 @@ class AccumModel(_Trainer, keras.Model):
         check_keywords(
             _shown_name(type(self)),
             kwargs,
-            _OWN_KEYWORDS,
+            _settings.PUBLIC_NAMES,
             model_keywords(),
         )
+        given = _settings.given(locals())
         source = model_being_cloned()
         if isinstance(source, AccumModel):
             # `clone_model` passes only `(inputs, outputs, name)`: without
             # this the clone would train with `accum_steps=1`.
-            accum_steps, partial_window, micro_batch_size = (
-                source._accum_steps,
-                source._partial_window,
-                source._micro_batch_size,
-            )
-            accumulator_dtype = source._accumulator_dtype
-        accum_steps = check_accum_schedule(accum_steps)
-        partial_window = check_partial_window(partial_window)
-        micro_batch_size = check_micro_batch_size(micro_batch_size)
-        accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
-        check_split_mode(accum_steps, micro_batch_size)
+            given = _settings.given(source._setting_values())
+        settings = _settings.checked(given)
         if not isinstance(self, Functional) and functional_init_arguments(
             args, kwargs
         ):
@@ -341,13 +323,7 @@ class AccumModel(_Trainer, keras.Model):
             Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
-        self._configure(
-            accum_steps=accum_steps,
-            partial_window=partial_window,
-            micro_batch_size=micro_batch_size,
-            noise_every=0,
-            accumulator_dtype=accumulator_dtype,
-        )
+        self._configure(_settings.with_defaults(settings))
         self._reset_window_state()
 
     # -- Public surface -------------------------------------------------------
@@ -406,12 +382,8 @@ class AccumModel(_Trainer, keras.Model):
         model = keras_accum.AccumModel.from_model(base, accum_steps=4)
         ```
         """
-        check_split_mode(
-            check_accum_schedule(accum_steps),
-            check_micro_batch_size(micro_batch_size),
-        )
-        check_partial_window(partial_window)
-        check_accumulator_dtype(accumulator_dtype)
+        settings = _settings.given(locals())
+        _settings.checked(settings)
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "
@@ -424,15 +396,7 @@ class AccumModel(_Trainer, keras.Model):
             except (AttributeError, ValueError):
                 inputs = outputs = None
             if inputs is not None and outputs is not None:
-                return AccumModel(
-                    inputs,
-                    outputs,
-                    name=model.name,
-                    accum_steps=accum_steps,
-                    partial_window=partial_window,
-                    micro_batch_size=micro_batch_size,
-                    accumulator_dtype=accumulator_dtype,
-                )
+                return AccumModel(inputs, outputs, name=model.name, **settings)
         if not model.built:
             raise ValueError(
                 "`model` must be built (have its weights) before it is "
@@ -440,14 +404,7 @@ class AccumModel(_Trainer, keras.Model):
                 f"layer an input shape. Received: model={model.name!r}, "
                 "which is not built."
             )
-        return _WrappedAccumModel(
-            model,
-            name=f"{model.name}_accum",
-            accum_steps=accum_steps,
-            partial_window=partial_window,
-            micro_batch_size=micro_batch_size,
-            accumulator_dtype=accumulator_dtype,
-        )
+        return _WrappedAccumModel(model, name=f"{model.name}_accum", **settings)
 
     @property
     def accum_steps(self) -> AccumSteps:
@@ -461,18 +418,7 @@ class AccumModel(_Trainer, keras.Model):
 
     @accum_steps.setter
     def accum_steps(self, value: AccumSteps) -> None:
-        value = check_accum_schedule(value)
-        check_split_mode(value, self._micro_batch_size)
-        # A callable schedule and `"auto"`'s controller are traced into
-        # the step.
-        traced = (value, self._accum_steps)
-        self._configure(
-            accum_steps=value,
-            traced=any(
-                callable(v) or isinstance(v, AutoAccumSteps) for v in traced
-            ),
-        )
-        self._assign_target_length()
+        self._change_settings({"accum_steps": value})
 
     @property
     def window_length(self) -> int:
@@ -495,17 +441,7 @@ class AccumModel(_Trainer, keras.Model):
     def micro_batch_size(
         self, value: int | str | AutoMicroBatch | None
     ) -> None:
-        value = check_micro_batch_size(value)
-        check_split_mode(self._accum_steps, value)
-        if value != self._micro_batch_size:
-            if self.mini_step > 0:
-                raise ValueError(
-                    "`micro_batch_size` cannot change while a window is "
-                    f"open ({self.mini_step} micro-batch(es) in it): call "
-                    "`apply_partial_window()` first. Received: "
-                    f"micro_batch_size={value!r}"
-                )
-            self._configure(micro_batch_size=value, traced=True)
+        self._change_settings({"micro_batch_size": value})
 
     @property
     def accumulator_dtype(self) -> str | None:
@@ -527,7 +463,7 @@ class AccumModel(_Trainer, keras.Model):
 
     @accumulator_dtype.setter
     def accumulator_dtype(self, value: Any) -> None:
-        self._set_accumulator_dtype(check_accumulator_dtype(value))
+        self._change_settings({"accumulator_dtype": value})
 
     @property
     def micro_batch_choices(self) -> list[dict]:
@@ -549,10 +485,7 @@ class AccumModel(_Trainer, keras.Model):
 
     @partial_window.setter
     def partial_window(self, value: str) -> None:
-        value = check_partial_window(value)
-        if value != self._partial_window:
-            # The policy is part of the traced step.
-            self._configure(partial_window=value, traced=True)
+        self._change_settings({"partial_window": value})
 
     @property
     def mini_step(self) -> int:
@@ -760,37 +693,16 @@ class AccumModel(_Trainer, keras.Model):
 
     def _accumulation_config(self) -> dict:
         """The settings' config entries (`accum_steps` and the rest)."""
-        return {
-            "accum_steps": serialize_accum_steps(self._accum_steps),
-            "partial_window": self._partial_window,
-            "micro_batch_size": (
-                keras.saving.serialize_keras_object(self._micro_batch_size)
-                if isinstance(self._micro_batch_size, AutoMicroBatch)
-                else self._micro_batch_size
-            ),
-            "accumulator_dtype": self._accumulator_dtype,
-        }
+        return _settings.to_config(self._setting_values())
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        accum_steps = deserialize_accum_steps(
-            config.pop("accum_steps", 1), custom_objects
-        )
-        partial_window = config.pop("partial_window", "apply")
-        micro_batch_size = config.pop("micro_batch_size", None)
-        accumulator_dtype = config.pop("accumulator_dtype", None)
-        if isinstance(micro_batch_size, dict):
-            micro_batch_size = keras.saving.deserialize_keras_object(
-                micro_batch_size, custom_objects=custom_objects
-            )
+        settings = _settings.from_config(config, custom_objects)
         # Keras revives functional and subclassed models differently; both
         # paths get a model built with the defaults, set here after.
         model = super().from_config(config, custom_objects=custom_objects)
-        model.accum_steps = accum_steps
-        model.partial_window = partial_window
-        model.micro_batch_size = micro_batch_size
-        model.accumulator_dtype = accumulator_dtype
+        model._change_settings(settings)
         return model
 
 
@@ -820,16 +732,6 @@ class _FunctionalAccumModel(AccumModel, Functional):
                 "weights, as `clone_model` gives)."
             )
         return super()._run_through_graph(*args, **kwargs)
-
-
-# The constructor's own keyword arguments, named in its errors.
-_OWN_KEYWORDS = tuple(
-    name
-    for name, parameter in inspect.signature(
-        AccumModel.__init__
-    ).parameters.items()
-    if parameter.kind is parameter.KEYWORD_ONLY
-)
 
 
 def _shown_name(cls) -> str:
@@ -889,14 +791,8 @@ class _WrappedAccumModel(AccumModel):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_model"), custom_objects=custom_objects
         )
-        config["accum_steps"] = deserialize_accum_steps(
-            config.get("accum_steps", 1), custom_objects
-        )
-        if isinstance(config.get("micro_batch_size"), dict):
-            config["micro_batch_size"] = keras.saving.deserialize_keras_object(
-                config["micro_batch_size"], custom_objects=custom_objects
-            )
-        return cls(inner, **config)
+        settings = _settings.from_config(config, custom_objects)
+        return cls(inner, **config, **settings)
 
 
 # What files call the classes. `.keras` files look a class up by its
