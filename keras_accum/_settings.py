@@ -175,9 +175,10 @@ def given(namespace: dict) -> dict:
 
 def checked(values: dict, kept: dict | None = None) -> dict:
     """`values` as the model keeps them, checked each and with the rules
-    that read any of them (the others' values from `kept`); or raises."""
+    that read any of them (the others' values from `kept`, else their
+    defaults); or raises."""
     values = {name: BY_NAME[name].check(v) for name, v in values.items()}
-    every = {**(kept or {}), **values}
+    every = with_defaults({**(kept or {}), **values})
     for rule in RULES:
         if any(name in values for name in rule.names):
             rule.check(*(every[name] for name in rule.names))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _helpers import regression_data, train_pair
 
-from keras_accum import AccumModel
+from keras_accum import AccumModel, _settings
 
 B, K = 5, 4
 _PACKAGE = "keras_accum_construction_tests"
@@ -583,3 +583,167 @@ def test_a_model_switched_back_to_float32_trains_like_the_large_batch(
     model.accumulator_dtype = np.float32
     diff, _, _ = train_pair(plain, model, x, y, 2, K)
     report_diff(diff)
+
+
+# -- Settings, each through every path ----------------------------------------
+
+# For each public setting of `_settings.SETTINGS`, values other than its
+# default, with what they need beside them (the rules across settings).
+_SETTING_EXAMPLES = {
+    "accum_steps": [
+        {"accum_steps": 3},
+        {"accum_steps": {0: 2, 3: 4}},
+        {"accum_steps": "auto"},
+    ],
+    "partial_window": [{"partial_window": "carry"}],
+    "micro_batch_size": [{"micro_batch_size": 4}, {"micro_batch_size": "auto"}],
+    "accumulator_dtype": [{"accumulator_dtype": "bfloat16"}],
+}
+
+
+def test_the_signatures_and_examples_follow_the_settings_table():
+    """A setting added to the table without its keyword argument, its
+    property, its docs or an example for the test below fails here."""
+    import inspect
+
+    public = [(s.name, s.default) for s in _settings.PUBLIC]
+    assert set(_SETTING_EXAMPLES) == set(_settings.PUBLIC_NAMES)
+    for method, skipped in [
+        (AccumModel.__init__, 0),
+        (AccumModel.from_model, 1),
+    ]:
+        parameters = [
+            p
+            for p in inspect.signature(method).parameters.values()
+            if p.name not in ("self", "cls", "args", "kwargs")
+        ][skipped:]
+        assert [(p.name, p.default) for p in parameters] == public, method
+    for name in _settings.PUBLIC_NAMES:
+        assert isinstance(getattr(AccumModel, name), property), name
+        assert getattr(AccumModel, name).fset is not None, name
+        assert f"\n        {name}: " in AccumModel.__doc__, name
+        assert f"\n            {name}: " in AccumModel.from_model.__doc__, name
+    # Internal settings are the package's: no keyword, no config entry.
+    config = AccumModel(*_dense_graph()).get_config()
+    for setting in _settings.SETTINGS:
+        assert (setting.name in config) == setting.public, setting.name
+        assert (setting.name in _settings.PUBLIC_NAMES) == setting.public
+
+
+def _examples():
+    return [
+        pytest.param(
+            example, id="-".join(f"{k}={v}" for k, v in example.items())
+        )
+        for examples in _SETTING_EXAMPLES.values()
+        for example in examples
+    ]
+
+
+@pytest.mark.parametrize("example", _examples())
+def test_a_setting_comes_back_through_every_path(example, tmp_path):
+    """Before: each setting was threaded by hand through each of these; a
+    wrapped model's config dropped `micro_batch_size`."""
+    expected = {
+        **{s.name: s.default for s in _settings.PUBLIC},
+        **_settings.checked(example),
+    }
+    x = np.zeros((2, 5), "float32")
+
+    def check(model, how):
+        assert isinstance(model, AccumModel), how
+        for name, value in expected.items():
+            assert getattr(model, name) == value, (how, name)
+        config = model.get_config()
+        for setting in _settings.PUBLIC:
+            assert config[setting.name] == setting.to_config(
+                expected[setting.name]
+            ), (how, setting.name)
+
+    ways = {
+        "functional": AccumModel(*_dense_graph(), **example),
+        "custom_fit_subclass": CustomModel(*_dense_graph(), **example),
+        "subclassing": _built(AccumNet(**example), x),
+        "from_sequential": AccumModel.from_model(
+            keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+            **example,
+        ),
+        "from_subclassed": AccumModel.from_model(
+            _built(PlainNet(), x), **example
+        ),
+    }
+    for how, model in ways.items():
+        check(model, how)
+        check(type(model).from_config(model.get_config()), f"{how} config")
+        check(keras.models.clone_model(model), f"{how} clone_model")
+        model.save(tmp_path / f"{how}.keras")
+        loaded = keras.saving.load_model(tmp_path / f"{how}.keras")
+        assert type(loaded) is type(model), how
+        check(loaded, f"{how} .keras")
+    # The setters, on a model built with the defaults.
+    model = AccumModel(*_dense_graph())
+    for name, value in example.items():
+        setattr(model, name, value)
+    check(model, "setter")
+
+
+_REFUSED_WHILE_OPEN = [s.name for s in _settings.PUBLIC if s.while_open]
+
+
+@pytest.mark.parametrize("name", _settings.PUBLIC_NAMES)
+def test_a_setting_changes_with_a_window_open_only_where_the_table_says(name):
+    example = _SETTING_EXAMPLES[name][0]
+    x, y = regression_data(n=2 * B)
+    model = AccumModel(*_dense_graph(), accum_steps=K, partial_window="carry")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=B, verbose=0)
+    assert model.mini_step == 2
+    # What the example needs beside the setting, set as the package sets
+    # it: a window open may refuse those too. `accum_steps` may change.
+    model.accum_steps = 1
+    model._configure(
+        _settings.checked({n: v for n, v in example.items() if n != name})
+    )
+    value = example[name]
+    if value == getattr(model, name):
+        value = _settings.BY_NAME[name].default
+    before = getattr(model, name)
+    if name in _REFUSED_WHILE_OPEN:
+        with pytest.raises(
+            ValueError,
+            match=rf"`{name}` cannot change while a window is open "
+            rf"\(2 micro-batch\(es\) .*`apply_partial_window\(\)` first\. "
+            rf"Received: {name}=",
+        ):
+            setattr(model, name, value)
+        assert getattr(model, name) == before
+        assert model.mini_step == 2
+        assert model.apply_partial_window()
+    setattr(model, name, value)
+    assert getattr(model, name) == _settings.BY_NAME[name].check(value)
+    assert model.mini_step == (0 if name in _REFUSED_WHILE_OPEN else 2)
+
+
+@pytest.mark.parametrize(
+    "way",
+    ["constructor", "from_model", "setter", "setter_other", "from_config"],
+)
+def test_a_rule_across_settings_holds_at_every_way_in(way):
+    """`micro_batch_size` beside an `accum_steps` other than 1: refused
+    whichever way the pair comes in, the message naming both."""
+    pair = {"accum_steps": 2, "micro_batch_size": 4}
+    match = r"`micro_batch_size` and `accum_steps` cannot both be set"
+    with pytest.raises(ValueError, match=match):
+        if way == "constructor":
+            AccumModel(*_dense_graph(), **pair)
+        elif way == "from_model":
+            AccumModel.from_model(
+                keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+                **pair,
+            )
+        elif way == "setter":
+            AccumModel(*_dense_graph(), accum_steps=2).micro_batch_size = 4
+        elif way == "setter_other":
+            AccumModel(*_dense_graph(), micro_batch_size=4).accum_steps = 2
+        else:
+            AccumModel.from_config(_functional_config(**pair))
