@@ -10,7 +10,7 @@ from pathlib import Path
 import keras
 import pytest
 
-from keras_accum import _compat
+from keras_accum import _compat, _settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,6 +114,9 @@ def _private_names_in_the_package():
                 and isinstance(node.args[1], ast.Constant)
             ):
                 read.add(node.args[1].value)
+
+    # The settings' attributes, set by name from their table.
+    defined |= {setting.attribute for setting in _settings.SETTINGS}
 
     def private(name):
         dunder = name.startswith("__") and name.endswith("__")
