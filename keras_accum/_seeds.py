@@ -88,13 +88,14 @@ def torch_global_draws(model) -> list:
     return [
         layer
         for layer in _compat.sublayers(model)
-        if isinstance(layer, keras.layers.Dropout)
-        and _initial_seed(layer.seed_generator) is None
+        if isinstance(layer, keras.layers.Dropout) and _unseeded(layer)
     ]
 
 
-def _initial_seed(generator):
-    return generator.get_config()["seed"]
+def _unseeded(dropout) -> bool:
+    # A `Dropout` of rate 0 draws nothing and holds no generator.
+    generator = getattr(dropout, "seed_generator", None)
+    return generator is not None and generator.get_config()["seed"] is None
 
 
 def piece_state(start, piece):

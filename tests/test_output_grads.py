@@ -361,3 +361,104 @@ def test_the_stateless_forms_inside_jit(name):
             np.asarray(values[i]),
             keras.ops.convert_to_numpy(model.non_trainable_variables[i]),
         )
+
+
+@pytest.mark.tensorflow_only(reason="TensorFlow's graph and XLA")
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_the_primitives_in_a_traced_step(jit_compile):
+    import tensorflow as tf
+
+    model, x, y, weights = _case("two_tower")
+    rewind = _rewind(model)
+
+    # Traced alike: XLA's random kernels draw other masks than eager's
+    # for the same seed, as they do in a plain model's XLA step.
+    @tf.function(jit_compile=jit_compile)
+    def reference_step(x, weights):
+        replay = _seeds.SeedReplay(model)
+        start = replay.start()
+        with tf.GradientTape() as tape:
+            outputs = []
+            for i, (a, b) in enumerate(UNEVEN):
+                replay.enter(start, i)
+                piece = _output_grads.rows(x, a, b)
+                outputs.append(model(piece, training=True))
+            y_pred = _output_grads.join(outputs)
+            value = _compat.compute_loss(model, x, None, y_pred, weights)
+        grads = tape.gradient(value, model.trainable_variables)
+        replay.finish(start, len(UNEVEN) - 1)
+        return value, grads
+
+    @tf.function(jit_compile=jit_compile)
+    def step(x, weights):
+        found, total, _ = _traced_two_pass(model, x, weights)
+        return found.loss, total
+
+    value, reference = reference_step(x, tf.constant(weights))
+    rewind()
+    loss, total = step(x, tf.constant(weights))
+    np.testing.assert_allclose(loss.numpy(), value.numpy(), rtol=1e-5)
+    _assert_close(_numpy(total), _numpy(reference))
+    # The generators end where one forward pass of the batch leaves them.
+    traced_end = [g.state.numpy() for g in _seeds.seed_generators(model)]
+    rewind()
+    model(x, training=True)
+    for a, g in zip(traced_end, _seeds.seed_generators(model), strict=True):
+        np.testing.assert_array_equal(a, g.state.numpy())
+
+
+def _traced_two_pass(model, x, weights):
+    # `two_pass` less its conversions to numpy, which a graph cannot make.
+    replay = _seeds.SeedReplay(model)
+    start = replay.start()
+    outputs = []
+    for i, (a, b) in enumerate(UNEVEN):
+        replay.enter(start, i)
+        outputs.append(model(_output_grads.rows(x, a, b), training=True))
+    found = backend_grads.loss_and_output_grads(
+        model, (x, None, weights), _output_grads.join(outputs)
+    )
+    total = list(found.weights)
+    for i, (a, b) in enumerate(UNEVEN):
+        replay.enter(start, i)
+        piece = backend_grads.piece_vjp(
+            model,
+            _output_grads.rows(x, a, b),
+            _output_grads.rows(found.y_pred, a, b),
+        )
+        total = [
+            g if t is None else t if g is None else t + g
+            for t, g in zip(total, piece.weights, strict=True)
+        ]
+    replay.finish(start, len(UNEVEN) - 1)
+    return found, total, outputs
+
+
+def test_mixed_precision_with_a_scaled_loss():
+    # float16 outputs: the output gradient is the scaled loss's, cast to
+    # each output's dtype on the way back; float32 weights' gradients.
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model, x, y, weights = _case("dual_encoder", dropout=0.0)
+        y_pred = model(x, training=True)
+        first = keras.tree.flatten(y_pred)[0]
+        assert keras.backend.standardize_dtype(first.dtype) == "float16"
+        found = backend_grads.loss_and_output_grads(
+            model, (x, y, weights), y_pred, scale_loss=lambda v: v * 1024.0
+        )
+        assert keras.backend.standardize_dtype(found.y_pred["image"].dtype) == (
+            "float16"
+        )
+        total = _numpy(found.weights)
+        piece = backend_grads.piece_vjp(model, x, found.y_pred)
+        total = [
+            g / 1024.0 if g is not None else None
+            for g in _add(total, _numpy(piece.weights))
+        ]
+        _, reference = one_pass(model, x, y, weights, ONE)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    for u, v in zip(total, reference, strict=True):
+        assert keras.backend.standardize_dtype(u.dtype) == "float32"
+        # float16 forward passes: a float16 tolerance.
+        np.testing.assert_allclose(u, v, rtol=2e-2, atol=2e-3)

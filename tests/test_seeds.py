@@ -186,6 +186,9 @@ def test_torch_global_draws_named_and_replayed():
         assert found == []
         return
     assert [type(layer) for layer in found] == [keras.layers.Dropout]
+    # A rate of 0 draws nothing (and Keras gives it no generator).
+    quiet = keras.Sequential([keras.Input((5,)), keras.layers.Dropout(0.0)])
+    assert _seeds.torch_global_draws(quiet) == []
     x = data()
     first, second = two_passes(model, [x[:6], x[6:]])
     for a, b in zip(first, second, strict=True):
