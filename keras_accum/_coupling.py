@@ -1,5 +1,5 @@
-"""Layers that couple the samples of a batch in their training forward pass,
-which the whole-batch step refuses.
+"""Layers that couple the samples of a batch in their training forward pass
+(or cannot run it twice alike), which the whole-batch step refuses.
 
 The whole-batch step computes the loss on the outputs of every piece of a
 batch, each piece run forward on its own (`_seeds` says how the random
@@ -13,6 +13,12 @@ model's sees the batch, and no replay can fix it:
   a layer with `trainable=False` runs in inference mode even in `fit`
   (it normalizes with its moving statistics, per sample) and is accepted.
 - `MixUp` and `CutMix`, which blend each image with another of its batch.
+
+And one layer whose training forward pass cannot be run twice alike:
+`SpectralNormalization` assigns its layer's kernel (normalized by a
+power iteration it also advances) on every training call, so the second
+pass would run on the kernel the first pass left, and a batch of k pieces
+would normalize it 2k times where a plain model does once.
 
 Per-sample layers are accepted, whatever they compute: `LayerNormalization`,
 `GroupNormalization`, `UnitNormalization`, `RMSNormalization`, attention
@@ -42,12 +48,18 @@ def _mixes_samples(layer) -> str | None:
         return "normalizes each piece with the piece's own mean and variance"
     if isinstance(layer, (keras.layers.MixUp, keras.layers.CutMix)):
         return "blends each sample with another sample of its batch"
+    if isinstance(layer, keras.layers.SpectralNormalization):
+        return (
+            "rewrites its layer's kernel on every training forward pass, so "
+            "that the second pass would not repeat the first"
+        )
     return None
 
 
 def coupling_layers(model) -> list[tuple[keras.layers.Layer, str]]:
     """The layers of `model` (nested ones included) whose training forward
-    pass mixes samples, each with why, in the order of `model`'s layers.
+    pass mixes samples or cannot be repeated, each with why, in the order
+    of `model`'s layers.
 
     Args:
         model: `keras.Model`. A built model.
@@ -84,6 +96,11 @@ def coupling_error(model) -> ValueError | None:
             "(`layer.trainable = False`: it then normalizes with its "
             "moving statistics, as in inference)"
         )
+    if keras.layers.SpectralNormalization in kinds:
+        advice.append(
+            "train a model with `SpectralNormalization` without "
+            "`whole_batch_loss`"
+        )
     if kinds & {keras.layers.MixUp, keras.layers.CutMix}:
         advice.append(
             "apply `MixUp`/`CutMix` to the batches in the input pipeline "
@@ -92,8 +109,9 @@ def coupling_error(model) -> ValueError | None:
     advice = " and ".join(advice)
     return ValueError(
         "`whole_batch_loss=True` runs the model forward piece by piece and "
-        "needs each sample's outputs to depend on that sample alone; "
-        f"these layers mix the samples of a piece when training: {named}. "
+        "needs each sample's outputs to depend on that sample alone and "
+        "each forward pass to be repeatable; these layers are not, when "
+        f"training: {named}. "
         f"To train with a loss that sees the whole batch, {advice}. "
         f"Received: whole_batch_loss=True with {len(found)} such layer(s)"
     )

@@ -119,3 +119,23 @@ def test_every_offending_layer_is_named():
     message = str(_coupling.coupling_error(model))
     assert "`first`" in message and "`second`" in message
     assert "2 such layer(s)" in message
+
+
+def test_spectral_normalization_is_refused_it_rewrites_its_kernel():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((5,))
+    wrapped = keras.layers.SpectralNormalization(
+        keras.layers.Dense(3), name="spectral"
+    )
+    model = keras.Model(inputs, wrapped(inputs))
+    x = images(4, (5,))
+    kernel = keras.ops.convert_to_numpy(wrapped.kernel)
+    first = keras.ops.convert_to_numpy(model(x, training=True))
+    second = keras.ops.convert_to_numpy(model(x, training=True))
+    # A second training pass does not repeat the first: the kernel moved.
+    assert (
+        np.abs(keras.ops.convert_to_numpy(wrapped.kernel) - kernel).max() > 1e-3
+    )
+    assert np.abs(first - second).max() > 1e-4
+    message = str(_coupling.coupling_error(model))
+    assert "`spectral`" in message and "without `whole_batch_loss`" in message
