@@ -193,3 +193,48 @@ def test_torch_global_draws_named_and_replayed():
     first, second = two_passes(model, [x[:6], x[6:]])
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a JAX loop over the pieces")
+def test_stateless_form_with_a_traced_piece_index():
+    import jax
+
+    model = noisy_model()
+    x = data()
+    pieces = jax.numpy.asarray(x.reshape(3, 4, 5))
+    indices = _seeds.seed_state_indices(model)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def run(non_trainable, unrolled):
+        start = _seeds.start_values(non_trainable, indices)
+
+        def body(i, values):
+            values = _seeds.entered_values(values, indices, start, i)
+            y, values = model.stateless_call(
+                trainable, values, pieces[i], training=True
+            )
+            return values, y
+
+        if unrolled:
+            outs, values = [], non_trainable
+            for i in range(3):
+                values, y = body(i, values)
+                outs.append(y)
+            return jax.numpy.stack(outs), values
+
+        def step(values, i):
+            return body(i, values)
+
+        values, outs = jax.lax.scan(step, non_trainable, jax.numpy.arange(3))
+        return outs, values
+
+    scanned, values = jax.jit(lambda v: run(v, False))(non_trainable)
+    unrolled, _ = jax.jit(lambda v: run(v, True))(non_trainable)
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(scanned[0] - scanned[1])).max() > 1e-3
+    start = _seeds.start_values(non_trainable, indices)
+    end = _seeds.finished_values(values, indices, start, 2)
+    model(x, training=True)
+    for i, state in zip(indices, states(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(end[i]), state)
