@@ -15,9 +15,10 @@ a backend asks a codec for an accumulator's (`codec_of(acc.dtype)`), never
 for its dtype's name.
 
 A new codec is a subclass with a `name` and `dtype` and its two roundings
-(`encode_sum`, `encode_quotient`), registered in `CODECS`: the setting's
-check and its error, the window's accumulators, the saved form and its
-load checks follow from the registry.
+(`encode_sum`, `encode_quotient`; `saved` and `loaded` where a file cannot
+hold its dtype), registered in `CODECS`: the setting's check and its
+error, the window's accumulators, the saved form and its load checks
+follow from the registry.
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ class AccumulatorCodec:
     def squares(self, stored):
         """The sum of the squares of `stored`'s elements, in float32."""
         return ops.sum(ops.square(self.widen(stored)))
+
+    def saved(self, stored):
+        """What a file holds of an accumulator (its variable, or the
+        float32 sum of its devices' partial sums): one of `DTYPES`, in
+        the weight's shape. The accumulator as it is by default."""
+        return stored
 
     def loaded(self, array):
         """A saved accumulator (a NumPy array, float32 or any codec's

@@ -145,10 +145,12 @@ class SavedWindow(KerasSaveable):
         return "Loss"
 
     def save_own_variables(self, store):
-        for i, acc in enumerate(self.acc_grads):
+        for i, (acc, codec) in enumerate(
+            zip(self.acc_grads, self.codecs, strict=True)
+        ):
             if self.partial_sums:
                 acc = self.partial_sums(acc)
-            store[accumulator_key(i)] = acc
+            store[accumulator_key(i)] = codec.saved(acc)
         for name in SAVED_COUNTERS:
             store[name] = self.counters.get(name)
         store[VERSION_KEY] = np.asarray(FORMAT_VERSION, COUNT_DTYPE)
