@@ -10,7 +10,7 @@ import jax
 import keras
 
 from keras_accum import _window
-from keras_accum._rounding import as_float32, is_low, random_bits, rounded
+from keras_accum._codecs import codec_of
 
 
 class JaxOps(_window.WindowOps):
@@ -45,7 +45,7 @@ class JaxOps(_window.WindowOps):
         accumulator into its own buffer, where a quotient of every weight
         alive until the apply would cost a copy of the weights. A
         low-precision accumulator's quotient is in its own dtype
-        (`quotient`): into its own buffer too."""
+        (`AccumulatorCodec.quotient`): into its own buffer too."""
         del accumulators
         return list(window_gradients)
 
@@ -54,17 +54,14 @@ class JaxOps(_window.WindowOps):
         for grad in grads:
             value = keras.ops.cast(grad, _window.ACC_DTYPE)
             added.append(value if weight is None else value * weight)
-        accumulators = []
-        for i, (acc, value) in enumerate(
-            zip(self.accumulators, added, strict=True)
-        ):
-            total = keras.ops.where(starting, value, as_float32(acc) + value)
-            if is_low(acc.dtype):
-                # XLA fuses the sum, the bits and the rounding into one
-                # pass over this weight: no float32 copy of the model.
-                total = rounded(total, random_bits(draw, i, total.shape))
-            accumulators.append(total)
-        self.accumulators = accumulators
+        # XLA fuses each sum, its bits and its rounding into one pass over
+        # the weight: no float32 copy of the model.
+        self.accumulators = [
+            codec_of(acc.dtype).add(acc, value, starting, draw, i)
+            for i, (acc, value) in enumerate(
+                zip(self.accumulators, added, strict=True)
+            )
+        ]
         if sampled is None:
             return None
         return self._squares_added(added, sampled)
@@ -117,16 +114,9 @@ class JaxOps(_window.WindowOps):
 
 
 def quotient(total, divisor):
-    """The window's gradient from its sum `total`: divided in float32 and,
-    where `total` is low-precision, rounded to nearest back into its
-    dtype, whatever the weight's dtype (the optimizer widens it inside its
-    own update). A float32 quotient of every large weight would be alive
-    until the apply: with Adam, 4 bytes a parameter of temporaries, more
-    than the bfloat16 accumulators save (`tests/test_memory.py`)."""
-    value = as_float32(total) / divisor
-    if is_low(total.dtype):
-        return keras.ops.cast(value, total.dtype)
-    return value
+    """The window's gradient from its sum `total`, as its codec encodes it
+    (`AccumulatorCodec.quotient`)."""
+    return codec_of(total.dtype).quotient(total, divisor)
 
 
 def only_if(condition, function, values):

@@ -1,7 +1,7 @@
-"""Low-precision accumulators (`accumulator_dtype="bfloat16"`).
+"""The stochastic rounding of bfloat16 accumulators (`_codecs`).
 
-Which weights get one, the stochastic rounding that adds into it, and its
-random bits (`Draw` says which), written once for the three backends.
+The rounding that adds into one, and its random bits (`Draw` says which),
+written once for the three backends.
 
 A bfloat16 value keeps the top 16 bits of a float32. Adding a micro-batch
 computes the new sum in float32, adds a uniform random integer in
@@ -20,14 +20,7 @@ from typing import NamedTuple
 
 from keras import ops
 
-from keras_accum._window_fields import ACC_DTYPE
-
 LOW_DTYPE = "bfloat16"
-# Weights with fewer elements keep float32 accumulators whatever the
-# setting: biases and normalization scales, whose sums are the most
-# sensitive (a bias's gradient sums the whole micro-batch) and whose
-# accumulators cost at most 64 KiB each.
-SMALL_WEIGHT = 2**14
 # The bits a float32 drops to become a bfloat16.
 _DROPPED = 2**16
 # `0xFFFF0000` as an int32: keeps a float32's bfloat16 part.
@@ -51,19 +44,6 @@ class Draw(NamedTuple):
 
     seed: object
     count: object
-
-
-def accumulator_dtype(shape, setting) -> str:
-    """The dtype of the accumulator of a weight of `shape` under the
-    model's `accumulator_dtype` (None: float32)."""
-    if setting is None or math.prod(shape) < SMALL_WEIGHT:
-        return ACC_DTYPE
-    return setting
-
-
-def is_low(dtype) -> bool:
-    """Whether an accumulator of `dtype` rounds stochastically."""
-    return str(getattr(dtype, "name", dtype)).endswith(LOW_DTYPE)
 
 
 def new_seed() -> int:
@@ -113,10 +93,3 @@ def _mix(x):
     x = ops.bitwise_xor(x, _shifted(x, 16)) * _M1
     x = ops.bitwise_xor(x, _shifted(x, 15)) * _M2
     return ops.bitwise_xor(x, _shifted(x, 16))
-
-
-def as_float32(value):
-    """An accumulator's value as float32 (the identity on a float32 one)."""
-    if is_low(value.dtype):
-        return ops.cast(value, ACC_DTYPE)
-    return value

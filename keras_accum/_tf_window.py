@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from keras_accum import _compat, _window
-from keras_accum._rounding import (
-    Draw,
-    as_float32,
-    is_low,
-    random_bits,
-    rounded,
-)
+from keras_accum._rounding import Draw
 from keras_accum._window import WindowState
 from keras_accum._window_fields import ACC_DTYPE, TOTALS, is_accumulator_key
 
@@ -136,10 +132,10 @@ class TensorFlowOps(_window.WindowOps):
         self._replica = 0 if ctx is None else ctx.replica_id_in_sync_group
         # Under XLA on one replica, `add` divides a completing window as
         # it writes it: XLA fuses the select and the divide into one pass.
-        # Not into low-precision accumulators: the close divides in
-        # float32.
+        # Only into exact accumulators: another codec's close divides in
+        # float32 and encodes the quotient.
         self.divides_in_step = (
-            xla and one_replica and not needs_merge_call() and not state.rounds
+            xla and one_replica and not needs_merge_call() and state.exact
         )
         # The divisor `add` divides by: the window's, where the micro-batch
         # completes it, else 1 (`before_add`).
@@ -167,21 +163,21 @@ class TensorFlowOps(_window.WindowOps):
         closing divisor (`before_add`).
         """
         zero = tf.zeros((), ACC_DTYPE)
-        squares, low = [], []
-        for i, (acc, grad) in enumerate(
-            zip(self.state.acc_grads, grads, strict=True)
+        squares, encoded = [], []
+        for i, (acc, grad, codec) in enumerate(
+            zip(self.state.acc_grads, grads, self.state.codecs, strict=True)
         ):
             if grad is None:
                 continue
             # Embedding gradients (`IndexedSlices`) densify here, their
             # repeated rows summed: the accumulator is dense anyway.
             grad = tf.convert_to_tensor(grad)
-            if is_low(acc.dtype):
+            if not codec.exact:
                 # The gradient as it came: cast and weighted in the
-                # rounding's kernel. (A cast made here and left unused
+                # codec's kernel. (A cast made here and left unused
                 # still runs in a graph, and was held to the step's end: a
                 # float32 copy of every large weight.)
-                low.append((i, acc, grad))
+                encoded.append((i, acc, grad, codec))
                 if sampled is not None:
                     value = _weighted(grad, weight)
                     squares.append(self._squares_of_added(value, sampled, zero))
@@ -198,19 +194,20 @@ class TensorFlowOps(_window.WindowOps):
                 )
             if sampled is not None:
                 squares.append(self._squares_of_added(value, sampled, zero))
-        self._round_into(low, weight, starting, draw)
+        self._encode_into(encoded, weight, starting, draw)
         if self.divides_in_step:
             self._divided_by = self._closing_divisor
         if sampled is None:
             return None
         return tf.add_n(squares) if squares else zero
 
-    def _round_into(self, low, weight, starting, draw) -> None:
-        """Adds `(index, accumulator, gradient)` of each low-precision
-        accumulator (times `weight`, unless None), the sum made in float32
-        and stochastically rounded.
+    def _encode_into(self, encoded, weight, starting, draw) -> None:
+        """Adds `(index, accumulator, gradient, codec)` of each accumulator
+        whose codec is not exact (times `weight`, unless None), the sum
+        made in float32 and encoded (`AccumulatorCodec.add`: bfloat16's
+        rounds stochastically).
 
-        Each in one XLA kernel (`_fused_rounding`), which makes no buffer
+        Each in one XLA kernel (`_kernels`), which makes no buffer
         but the result, where the graph executor would make the float32
         sum, the bits and their intermediates op by op; and, without XLA,
         one weight after another, the last weight first (the order
@@ -220,26 +217,27 @@ class TensorFlowOps(_window.WindowOps):
         weights' float32 size), against 0.50 P with float32
         accumulators.
         """
-        if not low:
+        if not encoded:
             return
-        # Each replica rounds with its own bits.
-        seed = tf.bitwise.bitwise_xor(
-            _value(draw.seed), tf.cast(self._replica, tf.int32) * 7919
-        )
-        count = _value(draw.count)
+        if draw is not None:
+            # Each replica rounds with its own bits.
+            seed = tf.bitwise.bitwise_xor(
+                _value(draw.seed), tf.cast(self._replica, tf.int32) * 7919
+            )
+            draw = Draw(seed, _value(draw.count))
         if weight is None:
             weight = tf.ones((), ACC_DTYPE)
         previous = []
-        for i, acc, grad in reversed(low):
+        for i, acc, grad, codec in reversed(encoded):
             # The accumulator read once its gradient exists: read at the
             # step's start, every one would be held until its write, and
             # the write would copy it.
             with tf.control_dependencies([grad, *previous]):
-                result = _fused_rounding(
+                result = _kernels(codec).add(
                     acc.value,
                     grad,
                     (weight, starting),
-                    Draw(seed, count),
+                    draw,
                     tf.constant(i),
                 )
                 acc.assign(result)
@@ -272,15 +270,19 @@ class TensorFlowOps(_window.WindowOps):
 
     def sum_of_squares(self, closing=True):
         # `closing` unread: the close runs in its conditional (`close_when`).
-        accs = self.state.acc_grads
+        pairs = list(zip(self.state.acc_grads, self.state.codecs, strict=True))
         squares = _sum_of_squares(
-            [acc.value for acc in accs if not is_low(acc.dtype)], self.xla
+            [acc.value for acc, codec in pairs if codec.exact], self.xla
         )
-        low = [acc.value for acc in accs if is_low(acc.dtype)]
-        if low:
+        encoded = [
+            _kernels(codec).squares(acc.value)
+            for acc, codec in pairs
+            if not codec.exact
+        ]
+        if encoded:
             # Widened to float32 inside one kernel each: a graph would make
             # every float32 cast at once.
-            squares += tf.add_n([_fused_squares(value) for value in low])
+            squares += tf.add_n(encoded)
         if self._divided_by is not None:
             # Of the window's sum, not of what `add` divided it into.
             squares = squares * tf.square(self._divided_by)
@@ -290,30 +292,27 @@ class TensorFlowOps(_window.WindowOps):
         accs = self.state.acc_grads
         if self._divided_by is not None:
             return [acc.value for acc in accs]
+        pairs = list(zip(accs, self.state.codecs, strict=True))
         if self.xla:
             # An assignment there costs XLA a copy of each accumulator:
-            # new quotients, then, a low-precision one rounded to its dtype
-            # as below.
-            return [
-                tf.cast(as_float32(acc.value) / divisor, acc.dtype)
-                for acc in accs
-            ]
+            # new quotients, then, each encoded by its codec as below.
+            return [codec.quotient(acc.value, divisor) for acc, codec in pairs]
         # Into the accumulators: the optimizer then reads them, without a
         # new quotient per weight alive until the apply, which would cost
         # another copy of the weights at the update's peak. The noise
         # estimates and finiteness are read before this, and a window's
-        # first micro-batch overwrites it. A low-precision accumulator is
-        # divided in float32 and rounded to nearest into itself, whatever
-        # its weight's dtype (`_jax_ops.quotient` says why).
+        # first micro-batch overwrites it. Another codec's accumulator is
+        # divided in float32 and encoded into itself, whatever its weight's
+        # dtype (`AccumulatorCodec.quotient` says why).
         quotients, previous = [], []
-        for acc in accs:
-            if not is_low(acc.dtype):
+        for acc, codec in pairs:
+            if codec.exact:
                 acc.assign(acc.value / divisor)
             else:
                 # In one kernel, one weight after another: the executor
                 # would otherwise make every float32 cast at once.
                 with tf.control_dependencies(previous):
-                    quotient = _fused_quotient(acc.value, divisor)
+                    quotient = _kernels(codec).quotient(acc.value, divisor)
                     acc.assign(quotient)
                 previous = [quotient]
             # Read here: handed on as a variable, under a strategy it
@@ -570,28 +569,37 @@ def _tensor(value):
     return value
 
 
-@_xla_kernel
-def _fused_rounding(acc, grad, weighting, draw, index):
-    """`acc + grad * weight` (`grad * weight` where `starting`; `weighting`
-    is `(weight, starting)`) in float32, stochastically rounded to `acc`'s
-    bfloat16 with the bits of `draw` and `index`, in one XLA kernel."""
-    weight, starting = weighting
-    value = tf.cast(grad, ACC_DTYPE) * weight
-    total = tf.where(starting, value, as_float32(acc) + value)
-    return rounded(total, random_bits(draw, index, acc.shape))
+class _Kernels(NamedTuple):
+    """A codec's operations, each one XLA kernel (no float32 buffer).
+
+    Attributes:
+        add: `add(acc, grad, (weight, starting), draw, index)`: `acc +
+            grad * weight` (`grad * weight` where `starting`) in float32,
+            encoded into `acc`'s dtype (`AccumulatorCodec.add`).
+        quotient: `quotient(acc, divisor)` (`AccumulatorCodec.quotient`).
+        squares: `squares(acc)` (`AccumulatorCodec.squares`).
+    """
+
+    add: Callable
+    quotient: Callable
+    squares: Callable
 
 
-@_xla_kernel
-def _fused_quotient(acc, divisor):
-    """`acc / divisor`, divided in float32, in `acc`'s dtype, in one XLA
-    kernel (no float32 buffer)."""
-    return tf.cast(as_float32(acc) / divisor, acc.dtype)
+@functools.cache
+def _kernels(codec) -> _Kernels:
+    """`codec`'s `_Kernels`, made once per codec (and shared by every
+    model: `_xla_kernel` says why that is safe)."""
 
+    def add(acc, grad, weighting, draw, index):
+        weight, starting = weighting
+        value = tf.cast(grad, ACC_DTYPE) * weight
+        return codec.add(acc, value, starting, draw, index)
 
-@_xla_kernel
-def _fused_squares(acc):
-    """The sum of `acc`'s squares, in float32, in one XLA kernel."""
-    return tf.reduce_sum(tf.square(as_float32(acc)))
+    return _Kernels(
+        _xla_kernel(add),
+        _xla_kernel(codec.quotient),
+        _xla_kernel(codec.squares),
+    )
 
 
 def _value(value):

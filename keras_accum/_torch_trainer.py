@@ -20,7 +20,6 @@ import keras
 import torch
 
 from keras_accum import _compat, _window
-from keras_accum._rounding import is_low, random_bits, rounded
 from keras_accum._trainer import AccumTrainer
 
 ACC = getattr(torch, _window.ACC_DTYPE)
@@ -352,6 +351,8 @@ class TorchOps(_window.WindowOps):
         self.accumulators = [
             _compat.backing_value(acc) for acc in state.acc_grads
         ]
+        self.codecs = state.codecs
+        self.exact = state.exact
         self.optimizer = optimizer
         self.variables = variables
         self.none_grads = none_grads
@@ -360,8 +361,8 @@ class TorchOps(_window.WindowOps):
         # Not divided here: in place at the close (`gradients`).
         accs = self.accumulators
         first = bool(starting)
-        if draw is not None:
-            return self._add_rounding(grads, weight, first, sampled, draw)
+        if not self.exact:
+            return self._add_encoded(grads, weight, first, sampled, draw)
         grads = [g.to(acc.dtype) for g, acc in zip(grads, accs, strict=True)]
         if weight is None:
             # One call for every accumulator: on a small model, a call per
@@ -383,24 +384,23 @@ class TorchOps(_window.WindowOps):
             return torch.zeros((), dtype=ACC)
         return _window.sum_of_squares(grads)
 
-    def _add_rounding(self, grads, weight, first, sampled, draw):
+    def _add_encoded(self, grads, weight, first, sampled, draw):
         # One weight at a time: each low-precision sum is made in float32
-        # and rounded into its accumulator before the next weight's.
+        # and encoded into its accumulator before the next weight's.
         added = []
-        for i, (acc, grad) in enumerate(
-            zip(self.accumulators, grads, strict=True)
+        for i, (acc, grad, codec) in enumerate(
+            zip(self.accumulators, grads, self.codecs, strict=True)
         ):
             value = grad.to(ACC)
             if weight is not None:
                 value = value * weight
-            if not is_low(acc.dtype):
+            if codec.exact:
                 if first:
                     acc.copy_(value)
                 else:
                     acc.add_(value)
             else:
-                total = value if first else acc.to(ACC) + value
-                acc.copy_(rounded(total, random_bits(draw, i, total.shape)))
+                acc.copy_(codec.add(acc, value, first, draw, i))
             if sampled is not None and bool(sampled):
                 added.append(value)
         if sampled is None:
@@ -429,20 +429,16 @@ class TorchOps(_window.WindowOps):
         # In place: the optimizer gets the accumulators themselves, so an
         # update needs no second gradient-sized buffer per weight. (A
         # window's first micro-batch overwrites them.)
-        low = [is_low(acc.dtype) for acc in self.accumulators]
-        wide = [
-            a
-            for a, is_it in zip(self.accumulators, low, strict=True)
-            if not is_it
-        ]
-        if wide:
-            torch._foreach_div_(wide, divisor)
-        for acc, is_it in zip(self.accumulators, low, strict=True):
-            if is_it:
-                # Divided in float32, one weight at a time, and rounded to
-                # nearest into the accumulator whatever the weight's dtype,
-                # as the other backends do (`_jax_ops.quotient`).
-                acc.copy_(acc.to(ACC) / divisor)
+        pairs = list(zip(self.accumulators, self.codecs, strict=True))
+        exact = [acc for acc, codec in pairs if codec.exact]
+        if exact:
+            torch._foreach_div_(exact, divisor)
+        for acc, codec in pairs:
+            if not codec.exact:
+                # Divided in float32, one weight at a time, and encoded
+                # into the accumulator whatever the weight's dtype
+                # (`AccumulatorCodec.quotient` says why).
+                acc.copy_(codec.quotient(acc, divisor))
         return list(self.accumulators)
 
     def apply(self, go, divisor):

@@ -6,8 +6,8 @@ import difflib
 import numbers
 import reprlib
 
-import keras
-
+# `accumulator_dtype`'s check is its registry's (`_codecs.CODECS`).
+from keras_accum._codecs import check_accumulator_dtype  # noqa: F401
 from keras_accum.auto import MAX_STEPS, AutoAccumSteps, AutoMicroBatch
 
 PARTIAL_WINDOW_MODES = ("apply", "carry")
@@ -127,49 +127,6 @@ def check_micro_batch_size(micro_batch_size: object) -> object:
             f"to {MAX_STEPS}. Received: micro_batch_size={micro_batch_size!r}"
         )
     return int(micro_batch_size)
-
-
-ACCUMULATOR_DTYPES = (None, "float32", "bfloat16")
-
-
-def check_accumulator_dtype(accumulator_dtype: object) -> str | None:
-    """Returns `accumulator_dtype` as the model keeps it: None (float32
-    accumulators, which `"float32"` also means) or `"bfloat16"`; or
-    raises naming the value. A dtype object is read as Keras reads one
-    (`keras.backend.standardize_dtype`: `np.float32`, `tf.bfloat16`,
-    `torch.bfloat16`, ...)."""
-    if accumulator_dtype is None:
-        return None
-    expected = (
-        '`accumulator_dtype` must be None, "float32" or "bfloat16" (or a '
-        "dtype object of one of them, e.g. `np.float32`)"
-    )
-    # Numbers: Keras would refuse them too, but `True` or `16` is a
-    # wrong type, not a wrong dtype name.
-    name = None
-    if not isinstance(accumulator_dtype, (bool, numbers.Number)):
-        try:
-            name = keras.backend.standardize_dtype(accumulator_dtype)
-        except (ValueError, TypeError):
-            name = None
-    if name is None and not isinstance(accumulator_dtype, str):
-        raise TypeError(
-            f"{expected}. Received: accumulator_dtype={accumulator_dtype!r} "
-            f"(of type {type(accumulator_dtype).__name__})"
-        )
-    if name is None or name not in ACCUMULATOR_DTYPES:
-        why = ""
-        if name == "float16" or accumulator_dtype == "half":
-            why = (
-                " (float16 accumulators are not offered: their range "
-                "loses small gradients to underflow and large sums to "
-                "overflow)"
-            )
-        raise ValueError(
-            f"{expected}{why}. "
-            f"Received: accumulator_dtype={accumulator_dtype!r}"
-        )
-    return None if name == "float32" else name
 
 
 def check_split_mode(accum_steps: object, micro_batch_size) -> None:

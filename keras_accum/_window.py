@@ -35,9 +35,9 @@ from typing import Any, NamedTuple, Protocol
 
 import keras
 
-from keras_accum import _auto_rules, _compat, _rounding
+from keras_accum import _auto_rules, _codecs, _compat, _rounding
 from keras_accum import _scalar_ops as ops
-from keras_accum._rounding import Draw, as_float32
+from keras_accum._rounding import Draw
 from keras_accum._window_fields import (
     ACC_DTYPE,
     BY_NAME,
@@ -250,10 +250,10 @@ class WindowOps(Protocol):
         a pass over every accumulator. Returns the sum of the squares of
         what it added where `sampled` (a boolean scalar) holds, zero
         elsewhere; None where `sampled` is None (no window estimates the
-        noise scale). A low-precision accumulator takes its sum, made in
-        float32, stochastically rounded with bits from `draw` (a
-        `_rounding.Draw`; None where no accumulator is low-precision), one
-        weight at a time.
+        noise scale). Each accumulator's codec (`_codecs`) encodes its
+        sum, made in float32: a bfloat16 one rounds it stochastically with
+        bits from `draw` (a `_rounding.Draw`; None where no codec
+        `draws`), one weight at a time.
         """
         raise NotImplementedError
 
@@ -309,8 +309,8 @@ class Plan(NamedTuple):
             micro-batches' squared gradient norms; 0 for none.
         close_at_epoch_end: A window closes on the epoch's last step too
             (`partial_window="apply"`).
-        rounds: Some accumulators are low-precision: the micro-batch takes
-            a `Draw` of random bits for their stochastic rounding.
+        rounds: Some accumulator's codec `draws`: the micro-batch takes a
+            `Draw` of random bits for its stochastic rounding.
     """
 
     scheduled: Any = None
@@ -696,7 +696,7 @@ def noise_statistics(
 def sum_of_squares(values):
     total = ops.zeros((), ACC_DTYPE)
     for value in values:
-        total = total + ops.sum(ops.square(as_float32(value)))
+        total = total + _codecs.codec_of(value.dtype).squares(value)
     return total
 
 
@@ -799,9 +799,14 @@ class WindowState(SavedWindow):
     """The accumulation state of one `AccumModel`: its variables.
 
     Attributes:
-        acc_grads: One float32 accumulator per trainable variable, holding
-            the sum over the window of each micro-batch's gradient times
-            its weight (its loss normalizer).
+        acc_grads: One accumulator per trainable variable, holding the
+            sum over the window of each micro-batch's gradient times its
+            weight (its loss normalizer), as its codec stores it.
+        codecs: Each accumulator's `_codecs.AccumulatorCodec`.
+        rounds: Whether some codec `draws` random bits (rounds
+            stochastically, as bfloat16 ones do): the window then has a
+            `rounding_seed`.
+        exact: Whether every codec is `exact` (float32).
         counters: A `Counters` of variables.
         close_hooks: Callables `hook(applied, closing)` of layers that
             follow the window (`AccumBatchNormalization`), with boolean
@@ -818,8 +823,8 @@ class WindowState(SavedWindow):
             sums the gradients of (None for a counter).
         close_hooks: See the attribute.
         accumulator_dtype: The model's setting: None (float32
-            accumulators) or `"bfloat16"` (for weights of at least
-            `_rounding.SMALL_WEIGHT` elements, stochastically rounded).
+            accumulators) or a codec's name (`"bfloat16"`), for weights of
+            at least `_codecs.SMALL_WEIGHT` elements.
     """
 
     def __init__(
@@ -831,26 +836,24 @@ class WindowState(SavedWindow):
         accumulator_dtype=None,
     ) -> None:
         self.close_hooks = list(close_hooks)
-        self.acc_grads = []
+        self.acc_grads, self.codecs = [], []
         for i, v in enumerate(trainable_variables):
             shape = tuple(v.shape)
-            dtype = _rounding.accumulator_dtype(shape, accumulator_dtype)
+            codec = _codecs.codec_for(shape, accumulator_dtype)
+            self.codecs.append(codec)
             self.acc_grads.append(
-                make_variable(accumulator_key(i), shape, dtype, v)
+                make_variable(accumulator_key(i), shape, codec.dtype, v)
             )
         self.counters = Counters.from_flat(
             make_variable(field.name, field.shape, field.dtype, None)
             for field in FIELDS
         )
+        self.rounds = any(codec.draws for codec in self.codecs)
+        self.exact = all(codec.exact for codec in self.codecs)
         self.counters.window_length.assign(length)
         self.counters.target_length.assign(length)
         if self.rounds:
             self.counters.rounding_seed.assign(_rounding.new_seed())
-
-    @property
-    def rounds(self) -> bool:
-        """Whether some accumulator rounds stochastically (is bfloat16)."""
-        return any(_rounding.is_low(acc.dtype) for acc in self.acc_grads)
 
     @property
     def variables(self) -> list:

@@ -22,9 +22,9 @@ import warnings
 import zipfile
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
+from keras_accum import _codecs
 from keras_accum._compat import KerasSaveable
 from keras_accum._normalizer import LossRule
 from keras_accum._window_fields import (
@@ -48,10 +48,9 @@ SAVED_INTS = tuple(f.name for f in SAVED if f.dtype == COUNT_DTYPE)
 SAVED_FLOATS = tuple(f.name for f in SAVED if f.dtype == ACC_DTYPE)
 SAVED_TOTALS = tuple(f.name for f in SAVED if f.summed)
 SAVED_INT_DTYPES = (COUNT_DTYPE,)
-# An accumulator's: float32, or bfloat16 (`accumulator_dtype`); either
-# loads into either.
-LOW_DTYPE = "bfloat16"
-ACC_DTYPES = (ACC_DTYPE, LOW_DTYPE)
+# An accumulator's: each codec's dtype (`_codecs`: float32, bfloat16);
+# any loads into any.
+ACC_DTYPES = _codecs.DTYPES
 VERSION_KEY = "format_version"
 # Float32 sums of whole numbers are exact below 2**24; above, a window's
 # two sums of the same counts may round differently.
@@ -84,10 +83,11 @@ class WindowRules(NamedTuple):
 class SavedWindow(KerasSaveable):
     """The saving half of a backend's window state.
 
-    Subclasses hold `acc_grads` (one accumulator per trainable weight) and
-    `counters`, with a variable for each name in `SAVED_COUNTERS`. The
-    model tells it `load_rules`, a callable returning its `WindowRules`,
-    `check_load` and `after_load` (`connect`); other modules reach it
+    Subclasses hold `acc_grads` (one accumulator per trainable weight),
+    `codecs` (each one's `_codecs.AccumulatorCodec`) and `counters`, with
+    a variable for each name in `SAVED_COUNTERS`. The model tells it
+    `load_rules`, a callable returning its `WindowRules`, `check_load`
+    and `after_load` (`connect`); other modules reach it
     through the methods below, never by setting its attributes.
 
     Where `partial_sums` is set (JAX under a `keras.distribution`), each
@@ -145,10 +145,12 @@ class SavedWindow(KerasSaveable):
         return "Loss"
 
     def save_own_variables(self, store):
-        for i, acc in enumerate(self.acc_grads):
+        for i, (acc, codec) in enumerate(
+            zip(self.acc_grads, self.codecs, strict=True)
+        ):
             if self.partial_sums:
                 acc = self.partial_sums(acc)
-            store[accumulator_key(i)] = acc
+            store[accumulator_key(i)] = codec.saved(acc)
         for name in SAVED_COUNTERS:
             store[name] = self.counters.get(name)
         store[VERSION_KEY] = np.asarray(FORMAT_VERSION, COUNT_DTYPE)
@@ -165,15 +167,15 @@ class SavedWindow(KerasSaveable):
         if self.check_load is not None:
             self.check_load(values)
         # Only once every check passed: no half-loaded window.
-        for i, acc in enumerate(self.acc_grads):
+        for i, (acc, codec) in enumerate(
+            zip(self.acc_grads, self.codecs, strict=True)
+        ):
             if accumulator_key(i) not in values:
                 break  # a closed window of another trainable set
-            # In the accumulator's own dtype: a file of float32
+            # As the accumulator's codec stores it: a file of float32
             # accumulators loads into bfloat16 ones (rounded to nearest,
             # once) and back.
-            value = np.asarray(values[accumulator_key(i)]).astype(
-                _numpy_dtype(acc.dtype)
-            )
+            value = codec.loaded(values[accumulator_key(i)])
             if self.partial_sums:
                 value = np.concatenate(
                     [value[None], np.zeros((acc.shape[0] - 1, *value.shape))]
@@ -282,11 +284,6 @@ def saved_for_other_weights(filepath, shapes, rules: WindowRules) -> str:
 
     check_window_file(filepath, shapes, rules, changed)
     return found[0] if found else ""
-
-
-def _numpy_dtype(dtype):
-    name = str(getattr(dtype, "name", dtype))
-    return ml_dtypes.bfloat16 if name.endswith(LOW_DTYPE) else np.dtype(name)
 
 
 def check_saved_window(
@@ -489,8 +486,8 @@ def _dtype_name(value) -> str:
     # Keras writes a bfloat16 array to H5 as raw 16-bit values marked by
     # a `dtype` attribute (`saving_lib.H5IOStore`).
     attrs = getattr(value, "attrs", None)
-    if attrs is not None and attrs.get("dtype") == LOW_DTYPE:
-        return LOW_DTYPE
+    if attrs is not None and attrs.get("dtype") == "bfloat16":
+        return "bfloat16"
     return value.dtype.name
 
 

@@ -17,7 +17,7 @@ import pytest
 from _helpers import KillAt, Killed, regression_data
 
 import keras_accum
-from keras_accum import _rounding
+from keras_accum import _codecs, _rounding
 
 WIDE = 128  # a 128 x 128 kernel: 16384 elements, the threshold exactly
 
@@ -78,7 +78,7 @@ def test_large_weights_get_bfloat16_accumulators_small_ones_float32():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     # Kernel 128 x 128 (the threshold), bias 128, kernel 128 x 3, bias 3.
-    assert _rounding.SMALL_WEIGHT == 2**14 == WIDE * WIDE
+    assert _codecs.SMALL_WEIGHT == 2**14 == WIDE * WIDE
     assert _dtypes(model) == ["bfloat16", "float32", "float32", "float32"]
     # Each micro-batch took one draw of random bits.
     assert (
