@@ -30,7 +30,23 @@ nearest of all 10,000 test second views to its first view (top-1), or among
 the 5 nearest (top-5), by cosine similarity? (Test views drawn once, seed
 99; chance is 1 in 10,000.)
 
-RESULTS_TABLE
+Results (JAX 0.10.2, Keras 3.15.1, CPU; seeds 1-3; top-1 / top-5):
+
+    run                        seed 1       seed 2       seed 3       mean
+    A  batch 1024              .830/.964    .833/.960    .827/.959    .830/.961
+    B  accumulation 64 x 16    .699/.913    .691/.915    .679/.908    .690/.912
+    C  batch 64, 16x updates   .853/.978    .848/.978    .852/.980    .851/.979
+
+The whole batch's negatives win by 14 points of top-1 (5 of top-5) at the
+same updates, data and order, on every seed (seed-to-seed spread under 2
+points). C shows that accumulation is the weak one, not small batches:
+with 16 times the updates (its learned scale reaches about 90, against 16
+for A and 15 for B) batch 64 even edges out A on this small task. The
+case for the large batch is the one accumulation is for: the updates are
+fixed (each costs a step over many devices, or the schedule is set for
+batch 1024), and then only the whole batch's negatives keep A's accuracy.
+About 45 s of CPU time per run (A and B alike; one core of a shared
+two-core machine: 12 min wall for the nine runs).
 
     python examples/contrastive_retrieval.py --runs A,B,C  # the table
     python examples/contrastive_retrieval.py --quick       # < 60 s smoke run
@@ -153,6 +169,8 @@ class LogitScale(keras.layers.Layer):
 
 
 class Pair(keras.layers.Layer):
+    """Stacks the two views' embeddings: `y_pred` is `(batch, 2, 64)`."""
+
     def call(self, a, b):
         return ops.stack([a, b], axis=1)
 
@@ -171,6 +189,8 @@ def clip_loss(y_true, y_pred):
 
 
 def build(model_cls, seed, args, **kwargs):
+    """The two-view model (as `model_cls`) and its encoder; the same initial
+    weights for every run of a seed."""
     keras.utils.set_random_seed(seed)
     encoder = keras.Sequential(
         [
@@ -201,17 +221,12 @@ RUNS = {
 
 def train_and_score(run, seed, data, args):
     x_train, x_test = data
-    if run == "A":
-        if WHOLE_BATCH_LOSS:
-            model_cls, kwargs = (
-                keras_accum.AccumModel,
-                {
-                    "micro_batch_size": MICRO_BATCH,
-                    "whole_batch_loss": True,
-                },
-            )
-        else:
-            model_cls, kwargs = keras.Model, {}
+    if run == "A" and WHOLE_BATCH_LOSS:
+        model_cls = keras_accum.AccumModel
+        kwargs = {"micro_batch_size": MICRO_BATCH, "whole_batch_loss": True}
+        batch, per_update = BATCH, BATCH
+    elif run == "A":
+        model_cls, kwargs = keras.Model, {}
         batch, per_update = BATCH, BATCH
     elif run == "B":
         model_cls = keras_accum.AccumModel
