@@ -124,7 +124,9 @@ class AccumModel(_Trainer, keras.Model):
     batches; `apply_partial_window()` applies it on demand.
 
     The `loss` and metrics in `fit`'s logs are what a plain model reports
-    on the same micro-batches. `evaluate` and `predict` are unchanged.
+    on the same micro-batches. `evaluate` and `predict` are Keras's own,
+    except that with `micro_batch_size` they split each batch too (the
+    loss and outputs are the batch's, in its order).
 
     The class is the same on Keras's TensorFlow, JAX and PyTorch backends
     (chosen by `KERAS_BACKEND`), with the same guarantees; a model saved on
