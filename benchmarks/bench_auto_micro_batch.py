@@ -137,9 +137,14 @@ def _rows(args, backend):
     rows = []
     pairs = [tuple(int(s) for s in p.split(":")) for p in args.pairs.split(",")]
     for model in args.models.split(","):
+        peaks = {}
 
-        def peak(size, model=model):
-            return _task(args, backend, model, "peak", size=size)
+        def peak(size, model=model, peaks=peaks):
+            # One fresh process per size: a size measured for the limit
+            # is not measured again for the choice.
+            if size not in peaks:
+                peaks[size] = _task(args, backend, model, "peak", size=size)
+            return peaks[size]
 
         for low, high in pairs:
             limit = (peak(low) + peak(high)) // 2

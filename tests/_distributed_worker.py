@@ -4,6 +4,7 @@ Started in a fresh process by `test_distribute.py`, because logical devices
 and multi-worker collectives must be configured before TensorFlow starts:
 
     python _distributed_worker.py mirrored
+    python _distributed_worker.py mirrored all
     python _distributed_worker.py mirrored auto
     python _distributed_worker.py mirrored low_precision
     TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
@@ -372,17 +373,32 @@ def low_precision_windows():
     return results
 
 
-def main():
-    if len(sys.argv) > 2 and sys.argv[2] == "low_precision":
-        print("RESULTS " + json.dumps(low_precision_case()), flush=True)
-        return
-    if MODE == "built_outside_the_scope":
-        print("RESULTS " + json.dumps(built_outside_the_scope()), flush=True)
-        return
-    if len(sys.argv) > 2 and sys.argv[2] == "auto":
-        print("RESULTS " + json.dumps(auto_case()), flush=True)
-        return
-    results = {
+def every_mirrored_case():
+    """Each `MirroredStrategy` run of one process, by name: the
+    bfloat16 accumulators first (its first model, as on its own), the
+    equivalence cases, "auto", and last the model built outside the
+    scope (its `fit` fails). A case that raises reports its traceback,
+    so that the others still report and only its test fails."""
+    import traceback
+
+    runs = {
+        "low_precision": low_precision_case,
+        "cases": equivalence_cases,
+        "auto": auto_case,
+        "built_outside_the_scope": built_outside_the_scope,
+    }
+    results = {}
+    for name, run in runs.items():
+        try:
+            results[name] = run()
+        except Exception:  # noqa: BLE001 (reported to the test)
+            results[name] = {"traceback": traceback.format_exc()}
+    return results
+
+
+def equivalence_cases():
+    """The four equivalence cases, and what the traced steps exchange."""
+    return {
         "replicas": STRATEGY.num_replicas_in_sync,
         "cases": [
             case("adam"),
@@ -392,6 +408,22 @@ def main():
         ],
         "communication": communication(),
     }
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[2] == "all":
+        print("RESULTS " + json.dumps(every_mirrored_case()), flush=True)
+        return
+    if len(sys.argv) > 2 and sys.argv[2] == "low_precision":
+        print("RESULTS " + json.dumps(low_precision_case()), flush=True)
+        return
+    if MODE == "built_outside_the_scope":
+        print("RESULTS " + json.dumps(built_outside_the_scope()), flush=True)
+        return
+    if len(sys.argv) > 2 and sys.argv[2] == "auto":
+        print("RESULTS " + json.dumps(auto_case()), flush=True)
+        return
+    results = equivalence_cases()
     text = json.dumps(results)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

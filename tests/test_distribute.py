@@ -2,7 +2,8 @@
 
 Each strategy runs in fresh processes (`_distributed_worker.py`): logical
 CPU devices and multi-worker collectives must be set up before TensorFlow
-starts. The worker compares against a single-device plain `keras.Model`.
+starts; the `MirroredStrategy` cases share one process. The worker
+compares against a single-device plain `keras.Model`.
 """
 
 import json
@@ -63,17 +64,33 @@ def _check_communication(found, logs=0):
     assert gradient <= accum["in_branches"] <= gradient + 16, found
 
 
-def test_mirrored_strategy_two_logical_cpus(report_diff):
-    results = run_in_fresh_process([WORKER, "mirrored"], _env())
+@pytest.fixture(scope="module")
+def mirrored_runs():
+    """Every `MirroredStrategy` case from one worker process
+    (`every_mirrored_case`): TensorFlow's start and the strategy's set-up
+    once, not once per test. Each test reads its case's results."""
+    return run_in_fresh_process([WORKER, "mirrored", "all"], _env())
+
+
+def _run(mirrored_runs, name):
+    result = mirrored_runs[name]
+    assert "traceback" not in result, result.get("traceback")
+    return result
+
+
+def test_mirrored_strategy_two_logical_cpus(mirrored_runs, report_diff):
+    results = _run(mirrored_runs, "cases")
     _check(results, report_diff, "Mirrored, 2 CPUs")
     assert "plain" in results["communication"]
 
 
-def test_auto_window_under_mirrored_strategy_replays_exactly(report_diff):
+def test_auto_window_under_mirrored_strategy_replays_exactly(
+    mirrored_runs, report_diff
+):
     """`accum_steps="auto"` over 2 replicas: the controller steers from
     both replicas' estimates (every replica the same length, or the step
     would hang), and each window equals the plain model on its samples."""
-    result = run_in_fresh_process([WORKER, "mirrored", "auto"], _env())
+    result = _run(mirrored_runs, "auto")
     report_diff(result["max_weight_diff"], "Mirrored, 2 CPUs: auto")
     lengths = result["lengths"]
     assert len(set(lengths[:-1])) >= 2, lengths
@@ -83,10 +100,10 @@ def test_auto_window_under_mirrored_strategy_replays_exactly(report_diff):
 
 
 @pytest.fixture(scope="module")
-def low_precision_run():
-    """One worker process for the bfloat16 tests: its first model, then
-    the models traced after it."""
-    return run_in_fresh_process([WORKER, "mirrored", "low_precision"], _env())
+def low_precision_run(mirrored_runs):
+    """The bfloat16 tests' case: the worker's first model, then the models
+    traced after it."""
+    return _run(mirrored_runs, "low_precision")
 
 
 def test_bfloat16_accumulators_under_mirrored_strategy(low_precision_run):
@@ -126,11 +143,13 @@ def test_bfloat16_accumulators_of_later_models_and_recompiles_are_their_own(
         assert window["update_error"] < 2e-2 * window["moved"], window
 
 
-def test_a_model_built_outside_the_scope_is_refused_naming_the_fix():
+def test_a_model_built_outside_the_scope_is_refused_naming_the_fix(
+    mirrored_runs,
+):
     """Before: `fit` failed with a bare `AssertionError` from inside the
     optimizer's apply (plain Keras says `Need to be inside with
     strategy.scope()`)."""
-    result = run_in_fresh_process([WORKER, "built_outside_the_scope"], _env())
+    result = _run(mirrored_runs, "built_outside_the_scope")
     assert result["error"] == "ValueError", result
     message = result["message"]
     assert "created outside the scope" in message
