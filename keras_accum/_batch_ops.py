@@ -315,6 +315,129 @@ def predict_step(batch_ops: BatchOps, state, data):
     return batch_ops.predict_result(looped.carry, outputs)
 
 
+def whole_batch_train_step(batch_ops: BatchOps, state, data):
+    """The whole-batch train step (`whole_batch_loss=True`): the loss sees
+    the whole batch, its gradient carried back piece by piece.
+
+    Pass 1 runs every piece forward in training mode without gradients
+    and keeps only its outputs; the loss (and the compiled metrics) see
+    the batch's outputs at once, and the loss is differentiated once, with
+    respect to them (`_output_grads`); pass 2 runs every piece forward
+    again, its random draws replayed (`_seeds`), and adds the
+    vector-Jacobian product of its outputs with its rows of that output
+    gradient to the window; the last piece closes it. The loss is the
+    batch's mean already: the pieces' gradients add up to the batch's, so
+    every piece enters the window with a normalizer of zero (a summed
+    window, divided by one), the batch's loss carried by the last."""
+    model = batch_ops.model
+    check_whole_batch(model, batch_ops)
+    split = batch_ops.split(data, batch_ops.size("train"))
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    start = batch_ops.seeds_start(state)
+
+    # Pass 1: the batch's outputs, without gradients. The last piece
+    # first: its outputs give the loop's their structure and dtypes.
+    last_x = batch_ops.piece(x, split.last_start, split.last_rows)
+    state, last_pred = batch_ops.forward_piece(
+        state, last_x, start, split.count - 1
+    )
+    rest = batch_ops.after(last_pred, x)
+
+    def forward(i, state):
+        piece_x = batch_ops.piece(rest, i * split.size, split.full)
+        return batch_ops.forward_piece(state, piece_x, start, i)
+
+    looped = batch_ops.loop(split.count - 1, forward, state, collect=last_pred)
+    y_pred = batch_ops.join(looped.collected, last_pred, split)
+
+    # The loss on the whole batch, and its gradient with respect to the
+    # outputs; the metrics see the whole batch once.
+    state, found = batch_ops.whole_loss(
+        looped.carry, (x, y, sample_weight), y_pred
+    )
+    output_grads = found.y_pred
+    zero = ops.zeros((), "float32")
+
+    # Pass 2: each piece's vector-Jacobian product into the window.
+    def backward(i, state):
+        start_row = i * split.size
+        piece_x = batch_ops.piece(x, start_row, split.full)
+        piece_grads = batch_ops.piece(output_grads, start_row, split.full)
+        state, grads, _ = batch_ops.vjp_piece(
+            state, piece_x, piece_grads, start, i, last=False
+        )
+        share = _window.Share(None, 0.0, zero, batch_ops.rows_of(piece_x))
+        return batch_ops.add_piece(
+            state, grads, share, split.count, closes=False
+        )
+
+    looped = batch_ops.loop(split.count - 1, backward, state)
+    rest, output_grads = batch_ops.after(looped.done, (x, output_grads))
+    last_x = batch_ops.piece(rest, split.last_start, split.last_rows)
+    last_grads = batch_ops.piece(
+        output_grads, split.last_start, split.last_rows
+    )
+    # The last piece adds the model's own losses (counted once, as the
+    # batch counts its weights' regularization) and the gradient of the
+    # weights the loss reads itself.
+    state, grads, extra = batch_ops.vjp_piece(
+        looped.carry, last_x, last_grads, start, split.count - 1, last=True
+    )
+    grads = [
+        g if w is None else (w if g is None else g + ops.cast(w, g.dtype))
+        for g, w in zip(grads, found.weights, strict=True)
+    ]
+    loss = ops.cast(found.loss, "float32") + ops.cast(extra, "float32")
+    share = _window.Share(None, 0.0, loss, batch_ops.rows_of(last_x))
+    state = batch_ops.add_piece(state, grads, share, split.count, closes=True)
+    state = batch_ops.seeds_finish(state, start, split.count - 1)
+    return batch_ops.train_result(state, split.batch_size)
+
+
+def check_whole_batch(model, batch_ops) -> None:
+    """Refuses, loudly, what the whole-batch step cannot make exact (or
+    was not built for yet), once per traced step."""
+    from keras_accum import _coupling
+
+    _coupling.check_no_coupling(model)
+    setting = model._micro_batch_size
+    if not isinstance(setting, int):
+        raise NotImplementedError(
+            "`whole_batch_loss=True` does not size its pieces "
+            'automatically yet: `micro_batch_size="auto"` would not count '
+            "the batch's cached outputs and their gradient. Give an int. "
+            f"Received: micro_batch_size={setting!r}, whole_batch_loss=True"
+        )
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "`whole_batch_loss=True` is not yet supported with loss scaling "
+            "(a `LossScaleOptimizer`, or a mixed-precision policy with "
+            "float16): train in float32 or bfloat16, or without "
+            "`whole_batch_loss`. Received: optimizer="
+            f"{type(model.optimizer).__name__}, whole_batch_loss=True"
+        )
+    regularized = [
+        layer.name
+        for layer in _compat.sublayers(model, include_self=False)
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    if regularized:
+        raise NotImplementedError(
+            "`whole_batch_loss=True` does not yet count activity "
+            "regularization as the batch does (each piece's forward pass "
+            "adds its own): remove the `activity_regularizer` of "
+            f"{regularized}, or train without `whole_batch_loss`. "
+            "Received: whole_batch_loss=True"
+        )
+    devices = batch_ops.device_count()
+    if devices > 1:
+        raise NotImplementedError(
+            "`whole_batch_loss=True` runs on one device for now: the loss "
+            "would need the outputs of every device's rows. Received: "
+            f"whole_batch_loss=True on {devices} devices"
+        )
+
+
 # -- What backends share ------------------------------------------------------
 
 
@@ -460,6 +583,65 @@ class EagerStateOps(BaseBatchOps):
 
     def call_result(self, outputs, state):
         return outputs
+
+    # -- The whole-batch step (`whole_batch_train_step`) ----------------------
+
+    # The backend's `_output_grads` primitives (`loss_and_output_grads`,
+    # `piece_vjp`), set by the subclass.
+    primitives: Any = None
+
+    def without_gradients(self):
+        """A context in which a forward pass records no gradients."""
+        return contextlib.nullcontext()
+
+    def seeds_start(self, state):
+        from keras_accum import _seeds
+
+        replay = _seeds.SeedReplay(self.model)
+        return replay, replay.start()
+
+    def forward_piece(self, state, x, start, i):
+        replay, values = start
+        replay.enter(values, i)
+        with self.without_gradients():
+            return state, self.model(x, training=True)
+
+    def whole_loss(self, state, data, y_pred):
+        model = self.model
+        found = self.primitives.loss_and_output_grads(model, data, y_pred)
+        x, y, sample_weight = data
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return state, found
+
+    def vjp_piece(self, state, x, output_grads, start, i, last):
+        replay, values = start
+        replay.enter(values, i)
+        extra_loss = _model_losses if last else None
+        found = self.primitives.piece_vjp(
+            self.model, x, output_grads, extra_loss
+        )
+        return state, found.weights, found.extra
+
+    def add_piece(self, state, grads, share, count, closes):
+        self.model._add_piece_to_window(grads, share, closes, count)
+        return state
+
+    def seeds_finish(self, state, start, last_piece):
+        replay, values = start
+        replay.finish(values, last_piece)
+        return state
+
+    def device_count(self) -> int:
+        return 1
+
+
+def _model_losses(y_pred, losses):
+    """The model's own losses of a forward pass, added as `keras.Model`
+    adds them to its loss (a float32 zero where there are none)."""
+    total = ops.zeros((), "float32")
+    for value in losses:
+        total = total + ops.cast(value, "float32")
+    return total
 
 
 # -- Helpers ------------------------------------------------------------------

@@ -289,6 +289,116 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         with self.sizes_probed(kind) as set_size:
             yield measure
 
+    # -- The whole-batch step -------------------------------------------------
+
+    def rows_of(self, x):
+        return _batch_ops.first_input(x).shape[0]
+
+    def device_count(self):
+        return self.shards
+
+    def seeds_start(self, state):
+        from keras_accum import _seeds
+
+        indices = _seeds.seed_state_indices(self.model)
+        return indices, _seeds.start_values(state[1], indices)
+
+    def _entered(self, non_trainable, start, i):
+        from keras_accum import _seeds
+
+        indices, values = start
+        return _seeds.entered_values(non_trainable, indices, values, i)
+
+    def forward_piece(self, state, x, start, i):
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = True
+        y_pred, non_trainable = model.stateless_call(
+            trainable, self._entered(non_trainable, start, i), x, **kwargs
+        )
+        y_pred = jax.lax.stop_gradient(y_pred)
+        return (trainable, non_trainable, optimizer_and_window, metrics), y_pred
+
+    def whole_loss(self, state, data, y_pred):
+        from keras_accum import _jax_output_grads
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        found, (non_trainable, metrics) = (
+            _jax_output_grads.stateless_loss_and_output_grads(
+                model, (trainable, non_trainable, metrics), data, y_pred
+            )
+        )
+        x, y, sample_weight = data
+        mapping = list(zip(model.metrics_variables, metrics, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            model.compute_metrics(x, y, y_pred, sample_weight)
+        metrics = current_values(scope, model.metrics_variables)
+        return (trainable, non_trainable, optimizer_and_window, metrics), found
+
+    def vjp_piece(self, state, x, output_grads, start, i, last):
+        from keras_accum import _jax_output_grads
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        found, non_trainable = _jax_output_grads.stateless_piece_vjp(
+            model,
+            trainable,
+            self._entered(non_trainable, start, i),
+            x,
+            output_grads,
+            _batch_ops._model_losses if last else None,
+        )
+        state = (trainable, non_trainable, optimizer_and_window, metrics)
+        return state, found.weights, found.extra
+
+    def add_piece(self, state, grads, share, count, closes):
+        from keras_accum import _jax_trainer, _window
+        from keras_accum._jax_ops import iterations_index
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        n = len(model.optimizer.variables)
+        optimizer_values = list(optimizer_and_window[:n])
+        window_state = model._window_for_step()
+        accumulators, counters = window_state.unpack(optimizer_and_window[n:])
+        backend = _jax_trainer._ops_class(window_state)(
+            accumulators, model.optimizer, trainable, optimizer_values
+        )
+        updates = optimizer_values[iterations_index(model.optimizer)]
+        counters, complete = _window.accumulate(
+            counters, backend, grads, share, model._plan(updates, count)
+        )
+        if closes:
+            counters, applied = _window.close(
+                counters,
+                backend,
+                complete,
+                _jax_trainer._jax_close_policy(model, backend),
+            )
+            non_trainable = _jax_trainer._run_close_hooks(
+                model, non_trainable, applied, complete
+            )
+        window = window_state.pack(backend.accumulators, counters)
+        return (
+            backend.trainable,
+            non_trainable,
+            [*backend.optimizer_values, *window],
+            metrics,
+        )
+
+    def seeds_finish(self, state, start, last_piece):
+        from keras_accum import _seeds
+
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        indices, values = start
+        non_trainable = _seeds.finished_values(
+            non_trainable, indices, values, last_piece
+        )
+        return (trainable, non_trainable, optimizer_and_window, metrics)
+
 
 def current_values(scope, variables):
     """The values `scope` holds for `variables` (their own where unset)."""

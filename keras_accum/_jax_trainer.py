@@ -122,6 +122,10 @@ class JaxAccumTrainer(AccumTrainer):
     def train_step(self, state, data):
         if self._micro_batch_size is None:
             return self._micro_batch_step(state, data)
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_train_step(
+                self._batch_ops_class(self), state, data
+            )
         return _batch_ops.train_step(self._batch_ops_class(self), state, data)
 
     def test_step(self, state, data):

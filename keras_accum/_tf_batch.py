@@ -265,6 +265,17 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
             for part, value in zip(parts, kept, strict=True):
                 part.assign(value)
 
+    # -- The whole-batch step -------------------------------------------------
+
+    @property
+    def primitives(self):
+        from keras_accum import _tf_output_grads
+
+        return _tf_output_grads
+
+    def device_count(self):
+        return self.model.distribute_strategy.num_replicas_in_sync
+
 
 def multi_worker(strategy) -> bool:
     """Whether `strategy` runs over several workers."""

@@ -11,7 +11,7 @@ import contextlib
 import keras
 import torch
 
-from keras_accum import _batch_ops, _compat, _window
+from keras_accum import _batch_ops, _compat, _seeds, _window
 from keras_accum._batch_ops import Looped, Split
 
 
@@ -178,6 +178,47 @@ class TorchBatchOps(_batch_ops.EagerStateOps):
             with torch.no_grad():
                 for variable, value in zip(variables, kept, strict=True):
                     assign_in_place(variable, value.to(device))
+
+    # -- The whole-batch step -------------------------------------------------
+
+    @property
+    def primitives(self):
+        from keras_accum import _torch_output_grads
+
+        return _torch_output_grads
+
+    def without_gradients(self):
+        return torch.no_grad()
+
+    # Unseeded dropout draws from torch's global generators (`_seeds`): the
+    # states pass 1 enters each piece at are kept, and pass 2 enters each
+    # piece at its own, whatever the order of the pieces.
+
+    def seeds_start(self, state):
+        replay, values = super().seeds_start(state)
+        self.torch_draws = {} if replay.torch_global else None
+        replay.torch_global = False
+        if self.torch_draws is not None:
+            values = (values[0], None)
+        return replay, values
+
+    def forward_piece(self, state, x, start, i):
+        if self.torch_draws is not None:
+            self.torch_draws[i] = _seeds._torch_rng_state()
+        state, y_pred = super().forward_piece(state, x, start, i)
+        if self.torch_draws is not None:
+            self.torch_draws["end"] = _seeds._torch_rng_state()
+        return state, y_pred
+
+    def vjp_piece(self, state, x, output_grads, start, i, last):
+        if self.torch_draws is not None:
+            _seeds._set_torch_rng_state(self.torch_draws[i])
+        return super().vjp_piece(state, x, output_grads, start, i, last)
+
+    def seeds_finish(self, state, start, last_piece):
+        if self.torch_draws is not None:
+            _seeds._set_torch_rng_state(self.torch_draws["end"])
+        return super().seeds_finish(state, start, last_piece)
 
 
 def assign_in_place(variable, value):

@@ -235,6 +235,9 @@ class AccumModel(_Trainer, keras.Model):
             `k` micro-batches about 2**-9 * sqrt(k) of the sum's
             magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
+        whole_batch_loss: Boolean. Whether the loss sees the whole batch
+            rather than each micro-batch. Only with `micro_batch_size`.
+            Defaults to `False`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`: those it takes (`name`,
             `trainable`, `dtype`, ...); any other is refused.
@@ -288,6 +291,7 @@ class AccumModel(_Trainer, keras.Model):
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
         accumulator_dtype: DTypeLike | None = None,
+        whole_batch_loss: bool = False,
         **kwargs: Any,
     ) -> None:
         # Before Keras sees them: a functional model ignores keywords it
@@ -337,6 +341,7 @@ class AccumModel(_Trainer, keras.Model):
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
         accumulator_dtype: DTypeLike | None = None,
+        whole_batch_loss: bool = False,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -364,6 +369,8 @@ class AccumModel(_Trainer, keras.Model):
                 `AutoMicroBatch`, as for `AccumModel`. Defaults to `None`.
             accumulator_dtype: None, `"float32"` or `"bfloat16"`, as for
                 `AccumModel`. Defaults to `None`.
+            whole_batch_loss: Boolean, as for `AccumModel`. Defaults to
+                `False`.
 
         Returns:
             An `AccumModel` (uncompiled) computing what `model` computes.
@@ -464,6 +471,18 @@ class AccumModel(_Trainer, keras.Model):
     @accumulator_dtype.setter
     def accumulator_dtype(self, value: Any) -> None:
         self._change_settings({"accumulator_dtype": value})
+
+    @property
+    def whole_batch_loss(self) -> bool:
+        """Whether the loss sees the whole batch (with `micro_batch_size`).
+
+        Setting it applies from the next step (and retraces the step);
+        refused while a window is open."""
+        return self._whole_batch_loss
+
+    @whole_batch_loss.setter
+    def whole_batch_loss(self, value: bool) -> None:
+        self._change_settings({"whole_batch_loss": value})
 
     @property
     def micro_batch_choices(self) -> list[dict]:

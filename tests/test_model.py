@@ -932,9 +932,9 @@ def test_train_step_called_directly_before_fit_accumulates():
     )
 
 
-def test_the_model_carries_seven_attributes_of_the_package():
+def test_the_model_carries_eight_attributes_of_the_package():
     # Before: twelve, two of them (`_epoch`, `_steps_per_epoch`) copies of
-    # window counters. Now the five settings, the window and its life.
+    # window counters. Now the six settings, the window and its life.
     def model(cls, **kwargs):
         inputs = keras.Input((3,))
         built = cls(inputs, keras.layers.Dense(1)(inputs), **kwargs)
@@ -953,6 +953,7 @@ def test_the_model_carries_seven_attributes_of_the_package():
         "_micro_batch_size",
         "_noise_scale_every",
         "_accumulator_dtype",
+        "_whole_batch_loss",
         "_window",
         "_life",
     }

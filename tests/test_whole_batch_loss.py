@@ -1,0 +1,186 @@
+"""`whole_batch_loss=True`: the loss sees the whole batch, its gradient
+carried back piece by piece (issue 52), equal to `keras.Model` at the
+batch for every case of `_contrastive`, on every backend."""
+
+import keras
+import numpy as np
+import pytest
+from _contrastive import CASES
+from _helpers import assert_same_weights, max_weight_diff
+from test_output_grads import one_pass
+
+import keras_accum
+
+B = 8
+UPDATES = 3
+
+
+def _optimizer(kind):
+    if kind == "adam":
+        return keras.optimizers.Adam(0.05)
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.3)
+    return keras.optimizers.SGD(0.3, momentum=0.9)
+
+
+def _build(name, model_cls, dropout, optimizer="momentum", **kwargs):
+    build, data, loss = CASES[name]
+    model = build(model_cls, dropout=dropout, **kwargs)
+    model.compile(optimizer=_optimizer(optimizer), loss=loss)
+    return model
+
+
+def _batches(name, weighted=False):
+    _, data, _ = CASES[name]
+    x, y = data(B * UPDATES)
+    weights = np.linspace(0.5, 1.5, B * UPDATES).astype("float32")
+    found = []
+    for i in range(UPDATES):
+        rows = slice(i * B, (i + 1) * B)
+        batch = [
+            keras.tree.map_structure(lambda t, r=rows: t[r], x),
+            None if y is None else y[rows],
+        ]
+        if weighted:
+            batch.append(weights[rows])
+        found.append(batch)
+    return found
+
+
+def _train_side_by_side(name, dropout, optimizer, weighted=False, **kwargs):
+    """Trains `keras.Model` and the whole-batch `AccumModel` on the same
+    batches; returns each update's largest weight difference and the
+    losses each logged."""
+    plain = _build(name, keras.Model, dropout, optimizer)
+    accum = _build(
+        name,
+        keras_accum.AccumModel,
+        dropout,
+        optimizer,
+        whole_batch_loss=True,
+        **kwargs,
+    )
+    diffs, losses = [], []
+    for batch in _batches(name, weighted):
+        plain_loss = plain.train_on_batch(*batch)
+        accum_loss = accum.train_on_batch(*batch)
+        assert_same_weights(accum, plain.get_weights())
+        diffs.append(max_weight_diff(accum, plain))
+        losses.append((float(accum_loss), float(plain_loss)))
+    return accum, plain, diffs, losses
+
+
+# -- One piece: exactly `keras.Model`, dropout active ----------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("name", ["clip", "dual_encoder"])
+def test_one_piece_with_dropout_equals_keras_model(name, optimizer):
+    # The pieces' forward passes twice each, their draws replayed: with
+    # one piece, the same masks as `keras.Model`'s single forward pass,
+    # and the generators left where it leaves them (the next update
+    # draws alike too).
+    accum, plain, diffs, losses = _train_side_by_side(
+        name, 0.3, optimizer, micro_batch_size=B
+    )
+    for accum_loss, plain_loss in losses:
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+    # The models trained: the comparison is not between two still models.
+    assert max_weight_diff(plain, _build(name, keras.Model, 0.3)) > 1e-3
+
+
+# -- Several pieces, an uneven last one ------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pieces_without_dropout_equal_keras_model(name):
+    # 8 rows in pieces of 3, 3 and 2: every loss sees the batch's 8
+    # samples, where the split mode's pieces see 3 (test_in_batch_negatives).
+    _, _, _, losses = _train_side_by_side(
+        name, 0.0, "momentum", micro_batch_size=3
+    )
+    for accum_loss, plain_loss in losses:
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["clip", "two_tower"])
+def test_pieces_with_sample_weights_equal_keras_model(name):
+    _train_side_by_side(name, 0.0, "adam", weighted=True, micro_batch_size=3)
+
+
+def test_pieces_with_dropout_equal_the_one_pass_gradient():
+    # With dropout and 3 pieces each piece draws from its own stream
+    # (`_seeds`): the update is the one-pass gradient of the loss through
+    # the same pieces' forward passes with those draws.
+    bounds = [(0, 3), (3, 6), (6, 8)]
+    reference = _build("clip", keras.Model, 0.3, "sgd")
+    x, y = _batches("clip")[0]
+    _, grads = one_pass(reference, x, y, None, bounds)
+    before = reference.get_weights()
+    expected = [w - 0.3 * g for w, g in zip(before, grads, strict=True)]
+    accum = _build(
+        "clip",
+        keras_accum.AccumModel,
+        0.3,
+        "sgd",
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    accum.train_on_batch(x, y)
+    assert_same_weights(accum, expected)
+    # The draws matter: without them replayed, or with the batch's
+    # masks, the update would be another.
+    assert max_weight_diff(accum, before) > 1e-3
+
+
+# -- Refused, loudly --------------------------------------------------------------
+
+
+def test_batch_normalization_is_refused_naming_the_layer():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization(name="bn")(
+        keras.layers.Dense(3)(inputs)
+    )
+    model = keras_accum.AccumModel(
+        inputs, hidden, micro_batch_size=2, whole_batch_loss=True
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 4), "float32")
+    with pytest.raises(ValueError, match=r"`bn` \(BatchNormalization\)"):
+        model.fit(x, x[:, :3], batch_size=4, verbose=0)
+
+
+def test_whole_batch_loss_must_be_a_bool():
+    inputs = keras.Input((4,))
+    with pytest.raises(TypeError, match="whole_batch_loss=1"):
+        keras_accum.AccumModel(
+            inputs, inputs, micro_batch_size=2, whole_batch_loss=1
+        )
+
+
+def test_auto_sizes_are_refused():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size="auto",
+        whole_batch_loss=True,
+    )
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match='micro_batch_size="auto"'):
+        model.fit(x, y, batch_size=B, verbose=0)
+
+
+def test_the_setting_round_trips_through_the_config():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    copy = keras_accum.AccumModel.from_config(model.get_config())
+    assert copy.whole_batch_loss is True
+    assert copy.micro_batch_size == 3
+    model.whole_batch_loss = False
+    assert model.whole_batch_loss is False
