@@ -366,6 +366,13 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
         state, grads, _ = batch_ops.vjp_piece(
             state, piece_x, piece_grads, start, i, last=False
         )
+        # A weight only the loss reads gets its gradient on the last
+        # piece: zeros before, so that every piece writes the same
+        # accumulators (the window's first piece overwrites them).
+        grads = [
+            ops.zeros_like(w) if g is None and w is not None else g
+            for g, w in zip(grads, found.weights, strict=True)
+        ]
         share = _window.Share(None, 0.0, zero, batch_ops.rows_of(piece_x))
         return batch_ops.add_piece(
             state, grads, share, split.count, closes=False
@@ -400,14 +407,6 @@ def check_whole_batch(model, batch_ops) -> None:
     from keras_accum import _coupling
 
     _coupling.check_no_coupling(model)
-    setting = model._micro_batch_size
-    if not isinstance(setting, int):
-        raise NotImplementedError(
-            "`whole_batch_loss=True` does not size its pieces "
-            'automatically yet: `micro_batch_size="auto"` would not count '
-            "the batch's cached outputs and their gradient. Give an int. "
-            f"Received: micro_batch_size={setting!r}, whole_batch_loss=True"
-        )
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         raise NotImplementedError(
             "`whole_batch_loss=True` is not yet supported with loss scaling "
