@@ -203,3 +203,62 @@ def test_the_setting_round_trips_through_the_config():
     assert copy.micro_batch_size == 3
     model.whole_batch_loss = False
     assert model.whole_batch_loss is False
+
+
+def _regularized(model_cls, activity=False, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        5,
+        activation="tanh",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=(
+            keras.regularizers.L2(0.01) if activity else None
+        ),
+    )(inputs)
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(hidden))
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=_optimizer("momentum"), loss=CASES["supcon"][2])
+    return model
+
+
+def test_weight_regularization_is_counted_once_per_batch():
+    plain = _regularized(keras.Model)
+    accum = _regularized(
+        keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+    )
+    for x, y in _batches("supcon"):
+        plain_loss = plain.train_on_batch(x, y)
+        accum_loss = accum.train_on_batch(x, y)
+        assert_same_weights(accum, plain.get_weights())
+        # The logged loss carries the regularization, once.
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+def test_activity_regularization_is_refused():
+    model = _regularized(
+        keras_accum.AccumModel,
+        activity=True,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match="activity_regularizer"):
+        model.train_on_batch(x, y)
+
+
+def test_loss_scaling_is_refused():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        loss=CASES["supcon"][2],
+    )
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match="loss scaling"):
+        model.train_on_batch(x, y)
