@@ -401,6 +401,31 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     return batch_ops.train_result(state, split.batch_size)
 
 
+def whole_batch_test_step(batch_ops: BatchOps, state, data):
+    """The test step with `whole_batch_loss=True`: the pieces' outputs
+    (inference mode) joined, and the loss and the compiled metrics on the
+    whole batch at once, as `keras.Model` evaluates the batch."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    split = batch_ops.split(data, batch_ops.size("test"))
+    # The last piece first: its outputs give the loop's their structure
+    # and dtypes; its forward pass's own losses are the batch's (weight
+    # regularization).
+    last = batch_ops.piece(x, split.last_start, split.last_rows)
+    state, outputs = batch_ops.test_forward(state, last, keep_losses=True)
+    rest = batch_ops.after(outputs, x)
+
+    def one(i, state):
+        piece_x = batch_ops.piece(rest, i * split.size, split.full)
+        return batch_ops.test_forward(state, piece_x, keep_losses=False)
+
+    looped = batch_ops.loop(split.count - 1, one, state, collect=outputs)
+    y_pred = batch_ops.join(looped.collected, outputs, split)
+    state, loss = batch_ops.whole_test(
+        looped.carry, (x, y, sample_weight), y_pred
+    )
+    return batch_ops.test_result(state, loss, split.batch_size)
+
+
 def check_whole_batch(model, batch_ops) -> None:
     """Refuses, loudly, what the whole-batch step cannot make exact (or
     was not built for yet), once per traced step."""
@@ -632,6 +657,18 @@ class EagerStateOps(BaseBatchOps):
 
     def device_count(self) -> int:
         return 1
+
+    def test_forward(self, state, x, keep_losses):
+        return state, predicted(self.model, x)
+
+    def whole_test(self, state, data, y_pred):
+        model = self.model
+        x, y, sample_weight = data
+        loss = _compat.compute_loss(
+            model, x, y, y_pred, sample_weight, training=False
+        )
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return state, _compat.unscale_loss_for_distribution(loss)
 
 
 def _model_losses(y_pred, losses):

@@ -399,6 +399,44 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         )
         return (trainable, non_trainable, optimizer_and_window, metrics)
 
+    def test_forward(self, state, x, keep_losses):
+        model = self.model
+        trainable, non_trainable, metrics = state
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = False
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        if keep_losses:
+            # The same trace as `whole_test`'s (never the loop's body).
+            self.kept_losses = losses
+        return (trainable, non_trainable, metrics), y_pred
+
+    def whole_test(self, state, data, y_pred):
+        model = self.model
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = data
+        losses = self.kept_losses
+        mapping = [
+            *zip(model.trainable_variables, trainable, strict=True),
+            *zip(model.non_trainable_variables, non_trainable, strict=True),
+            *zip(model.metrics_variables, metrics, strict=True),
+        ]
+        if losses:
+            _compat.override_losses(model, losses)
+        try:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                loss = _compat.compute_loss(
+                    model, x, y, y_pred, sample_weight, training=False
+                )
+                model.compute_metrics(x, y, y_pred, sample_weight)
+        finally:
+            if losses:
+                _compat.override_losses(model, None)
+        metrics = current_values(scope, model.metrics_variables)
+        return (trainable, non_trainable, metrics), loss
+
 
 def current_values(scope, variables):
     """The values `scope` holds for `variables` (their own where unset)."""

@@ -131,6 +131,10 @@ class JaxAccumTrainer(AccumTrainer):
     def test_step(self, state, data):
         if self._micro_batch_size is None:
             return super().test_step(state, data)
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_test_step(
+                self._batch_ops_class(self), state, data
+            )
         return _batch_ops.test_step(self._batch_ops_class(self), state, data)
 
     def predict_step(self, state, data):

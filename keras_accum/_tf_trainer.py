@@ -207,6 +207,10 @@ class TensorFlowAccumTrainer(AccumTrainer):
     def test_step(self, data):
         if self._micro_batch_size is None:
             return self._logs_for_strategy(super().test_step(data))
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_test_step(
+                self._batch_ops_class(self), (), data
+            )
         return _batch_ops.test_step(self._batch_ops_class(self), (), data)
 
     def predict_step(self, data):

@@ -68,6 +68,10 @@ class TorchAccumTrainer(AccumTrainer):
     def test_step(self, data):
         if self._micro_batch_size is None:
             return super().test_step(data)
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_test_step(
+                self._batch_ops_class(self), (), data
+            )
         return _batch_ops.test_step(self._batch_ops_class(self), (), data)
 
     def predict_step(self, data):

@@ -262,3 +262,30 @@ def test_loss_scaling_is_refused():
     x, y = _batches("supcon")[0]
     with pytest.raises(NotImplementedError, match="loss scaling"):
         model.train_on_batch(x, y)
+
+
+@pytest.mark.parametrize("name", ["clip", "two_tower", "regularized"])
+def test_evaluate_computes_the_loss_on_the_whole_batch(name):
+    if name == "regularized":
+        plain = _regularized(keras.Model)
+        accum = _regularized(
+            keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+        )
+        x, y = CASES["supcon"][1](B * UPDATES)
+    else:
+        plain = _build(name, keras.Model, 0.1)
+        accum = _build(
+            name,
+            keras_accum.AccumModel,
+            0.1,
+            micro_batch_size=3,
+            whole_batch_loss=True,
+        )
+        x, y = CASES[name][1](B * UPDATES)
+    expected = plain.evaluate(x, y, batch_size=B, verbose=0)
+    found = accum.evaluate(x, y, batch_size=B, verbose=0)
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+    # The split mode's pieces would see 3 samples each: another loss.
+    accum.whole_batch_loss = False
+    split = accum.evaluate(x, y, batch_size=B, verbose=0)
+    assert abs(split - expected) > 1e-3 * abs(expected)
