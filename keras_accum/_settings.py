@@ -161,6 +161,8 @@ SETTINGS = (
         "whole_batch_loss",
         default=False,
         check=check_whole_batch_loss,
+        # The test step computes its loss on the whole batch too.
+        split=True,
         while_open="in it",
     ),
     # How often the step estimates the noise scale: set by `fit` from its
