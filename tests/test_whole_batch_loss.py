@@ -289,3 +289,61 @@ def test_evaluate_computes_the_loss_on_the_whole_batch(name):
     accum.whole_batch_loss = False
     split = accum.evaluate(x, y, batch_size=B, verbose=0)
     assert abs(split - expected) > 1e-3 * abs(expected)
+
+
+def _unseeded(model_cls, **kwargs):
+    # A `Dropout` without a seed: on PyTorch it draws from torch's global
+    # generator, which no Keras `SeedGenerator` holds (`_seeds`).
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dropout(0.3)(hidden)
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(hidden))
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=_optimizer("sgd"), loss=CASES["supcon"][2])
+    return model
+
+
+def test_one_piece_with_unseeded_dropout_equals_keras_model():
+    plain = _unseeded(keras.Model)
+    accum = _unseeded(
+        keras_accum.AccumModel, micro_batch_size=B, whole_batch_loss=True
+    )
+    for i, (x, y) in enumerate(_batches("supcon")):
+        # The same global state before each model's step.
+        keras.utils.set_random_seed(100 + i)
+        plain.train_on_batch(x, y)
+        keras.utils.set_random_seed(100 + i)
+        accum.train_on_batch(x, y)
+        assert_same_weights(accum, plain.get_weights())
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="torch's global generator is PyTorch's (elsewhere a Keras "
+    "SeedGenerator draws, as test_pieces_with_dropout_equal_the_one_pass"
+    "_gradient tests)",
+)
+def test_pieces_with_torch_global_draws_equal_the_one_pass_gradient():
+    # Pass 1 runs the last piece first (its outputs give the loop's their
+    # structure), then the others in order; pass 2 enters each piece at
+    # the global state pass 1 entered it at. The reference draws in pass
+    # 1's order, and its loss (a mean over anchors, each against the
+    # whole batch) does not depend on the rows' order.
+    bounds = [(6, 8), (0, 3), (3, 6)]
+    order = np.concatenate([np.arange(a, b) for a, b in bounds])
+    x, y = _batches("supcon")[0]
+    reference = _unseeded(keras.Model)
+    keras.utils.set_random_seed(7)
+    _, grads = one_pass(
+        reference, x[order], y[order], None, [(0, 2), (2, 5), (5, 8)]
+    )
+    expected = [
+        w - 0.3 * g for w, g in zip(reference.get_weights(), grads, strict=True)
+    ]
+    accum = _unseeded(
+        keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+    )
+    keras.utils.set_random_seed(7)
+    accum.train_on_batch(x, y)
+    assert_same_weights(accum, expected)
