@@ -28,6 +28,9 @@ backends whose step changes the variables in place (TensorFlow, PyTorch);
 A new kind of split step is written once here against the same seam: its
 loop carries what it needs (outputs being collected, a cotangent being
 sliced with `piece`), as the three steps below do.
+`whole_batch_train_step` and `whole_batch_test_step` are such steps
+(`whole_batch_loss=True`): two passes over the pieces around one loss on
+the whole batch's outputs (`_output_grads`, `_seeds`, `_coupling`).
 """
 
 from __future__ import annotations
@@ -168,6 +171,56 @@ class BatchOps(Protocol):
 
     def predict_result(self, state, outputs):
         """The predict step's return."""
+        ...
+
+    # -- The whole-batch step (`whole_batch_loss=True`) ----------------------
+
+    def seeds_start(self, state):
+        """The random generators' states as the batch's step starts
+        (`_seeds`), for `forward_piece`, `vjp_piece`, `seeds_finish`."""
+        ...
+
+    def forward_piece(self, state, x, start, i):
+        """`(state, outputs)` of piece `i`'s inputs `x` in training mode,
+        its draws those piece `i` starts at, no gradients recorded."""
+        ...
+
+    def whole_loss(self, state, data, y_pred):
+        """`(state, _output_grads.OutputGrads)` of the whole batch's
+        `data = (x, y, sample_weight)` and outputs; the compiled metrics
+        updated with them."""
+        ...
+
+    def vjp_piece(self, state, x, output_grads, start, i, last: bool):
+        """`(state, gradients, extra)`: piece `i` forward again (the same
+        draws), and the vector-Jacobian product of its outputs with
+        `output_grads`; on the `last` piece plus the gradient of the
+        model's own losses, whose value is `extra` (None elsewhere)."""
+        ...
+
+    def add_piece(self, state, grads, share, count, closes: bool):
+        """Adds a piece's `grads` (weighted already) and `_window.Share`
+        to the window of `count` pieces; applies it where `closes`."""
+        ...
+
+    def seeds_finish(self, state, start, last_piece):
+        """The generators put where one forward pass of the batch leaves
+        them."""
+        ...
+
+    def test_forward(self, state, x, keep_losses: bool):
+        """`(state, outputs)` of inputs `x`, not training; `keep_losses`
+        on the one piece whose forward pass's own losses `whole_test`
+        adds (never in the loop)."""
+        ...
+
+    def whole_test(self, state, data, y_pred):
+        """`(state, loss)`: the whole batch's loss as `keras.Model`
+        evaluates it; the compiled metrics updated."""
+        ...
+
+    def device_count(self) -> int:
+        """The devices the step's batch is split over."""
         ...
 
     # -- Keras's functions around the step (`_sizing.SplitFunction`) ----------

@@ -235,9 +235,17 @@ class AccumModel(_Trainer, keras.Model):
             `k` micro-batches about 2**-9 * sqrt(k) of the sum's
             magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
-        whole_batch_loss: Boolean. Whether the loss sees the whole batch
-            rather than each micro-batch. Only with `micro_batch_size`.
-            Defaults to `False`.
+        whole_batch_loss: Boolean. Whether the loss (and the compiled
+            metrics) see the whole batch at once rather than each
+            micro-batch: for losses that compare the samples of a batch
+            (contrastive losses, in-batch negatives). Each piece of
+            `micro_batch_size` rows runs forward twice, its random draws
+            replayed: once for the batch's outputs, once to carry the
+            loss's gradient back; `evaluate` computes the loss on the
+            whole batch too. Only with an int `micro_batch_size`, on one
+            device, without loss scaling; layers that mix the samples of
+            a batch (a training `BatchNormalization`) and activity
+            regularizers are refused. Defaults to `False`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`: those it takes (`name`,
             `trainable`, `dtype`, ...); any other is refused.
