@@ -699,10 +699,6 @@ class EagerStateOps(BaseBatchOps):
         )
         return state, found.weights, found.extra
 
-    def add_piece(self, state, grads, share, count, closes):
-        self.model._add_piece_to_window(grads, share, closes, count)
-        return state
-
     def seeds_finish(self, state, start, last_piece):
         replay, values = start
         replay.finish(values, last_piece)

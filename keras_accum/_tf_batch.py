@@ -276,6 +276,17 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
     def device_count(self):
         return self.model.distribute_strategy.num_replicas_in_sync
 
+    def add_piece(self, state, grads, share, count, closes):
+        model = self.model
+        window = model._window_for_step()
+        model._life.none_grads = [g is None for g in grads]
+        # The window's counters wait for every gradient (as
+        # `_add_to_window` says why).
+        ready = [getattr(g, "values", g) for g in grads if g is not None]
+        ready.append(share.loss)
+        model._add_to_window(window, grads, share, ready, closes, count)
+        return state
+
 
 def multi_worker(strategy) -> bool:
     """Whether `strategy` runs over several workers."""

@@ -232,17 +232,6 @@ class TensorFlowAccumTrainer(AccumTrainer):
             lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
         )
 
-    # -- The whole-batch step's pieces (`_batch_ops.whole_batch_train_step`)
-
-    def _add_piece_to_window(self, gradients, share, closes, length):
-        """Adds a piece's gradient (a vector-Jacobian product, already
-        weighted) to the window, and applies a complete one."""
-        window = self._window_for_step()
-        self._life.none_grads = [g is None for g in gradients]
-        ready = [_dense_part(g) for g in gradients if g is not None]
-        ready.append(share.loss)
-        self._add_to_window(window, gradients, share, ready, closes, length)
-
 
 def _check_created_in_scope(variables, strategy) -> None:
     """Refuses weights that `strategy` does not hold.

@@ -215,6 +215,30 @@ class TorchBatchOps(_batch_ops.EagerStateOps):
             _seeds._set_torch_rng_state(self.torch_draws[i])
         return super().vjp_piece(state, x, output_grads, start, i, last)
 
+    def add_piece(self, state, grads, share, count, closes):
+        model = self.model
+        variables = model.trainable_weights
+        window_state = model._window_for_step(variables)
+        model._life.none_grads = [g is None for g in grads]
+        grads = [
+            torch.zeros_like(v.value) if g is None else g
+            for g, v in zip(grads, variables, strict=True)
+        ]
+        with torch.no_grad():
+            backend = model._torch_ops(variables)
+            read = read_counters(window_state)
+            counters, complete = _window.accumulate(
+                read,
+                backend,
+                grads,
+                share,
+                model._plan(model.optimizer.iterations.value, count),
+            )
+            if closes and bool(complete):
+                counters = model._close(counters, backend)
+            window_state.write(counters, read, assign_in_place)
+        return state
+
     def seeds_finish(self, state, start, last_piece):
         if self.torch_draws is not None:
             _seeds._set_torch_rng_state(self.torch_draws["end"])

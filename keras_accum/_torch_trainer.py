@@ -177,32 +177,6 @@ class TorchAccumTrainer(AccumTrainer):
 
         return flush
 
-    # -- The whole-batch step's pieces (`_batch_ops.whole_batch_train_step`)
-
-    def _add_piece_to_window(self, gradients, share, closes, length):
-        """Adds a piece's gradient (a vector-Jacobian product, already
-        weighted) to the window, and applies a complete one."""
-        variables = self.trainable_weights
-        window_state = self._window_for_step(variables)
-        self._life.none_grads = [g is None for g in gradients]
-        gradients = [
-            torch.zeros_like(v.value) if g is None else g
-            for g, v in zip(gradients, variables, strict=True)
-        ]
-        with torch.no_grad():
-            backend = self._torch_ops(variables)
-            read = _read(window_state)
-            counters, complete = _window.accumulate(
-                read,
-                backend,
-                gradients,
-                share,
-                self._plan(self.optimizer.iterations.value, length),
-            )
-            if closes and bool(complete):
-                counters = self._close(counters, backend)
-            window_state.write(counters, read, _assign_in_place)
-
 
 class TorchOps(_window.WindowOps):
     """The accumulators and optimizer of PyTorch's eager step, in place.
