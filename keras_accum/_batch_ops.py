@@ -506,6 +506,14 @@ def check_whole_batch(model, batch_ops) -> None:
             f"{regularized}, or train without `whole_batch_loss`. "
             "Received: whole_batch_loss=True"
         )
+    if model._noise_every():
+        # Its estimate reads each piece's gradient as that piece's mean
+        # gradient; here the pieces' gradients are parts of one.
+        raise NotImplementedError(
+            "`whole_batch_loss=True` does not estimate the gradient noise "
+            "scale: give `PseudoBatchLogger` `noise_scale=False`, or train "
+            "without `whole_batch_loss`. Received: whole_batch_loss=True"
+        )
     devices = batch_ops.device_count()
     if devices > 1:
         raise NotImplementedError(

@@ -347,3 +347,17 @@ def test_pieces_with_torch_global_draws_equal_the_one_pass_gradient():
     keras.utils.set_random_seed(7)
     accum.train_on_batch(x, y)
     assert_same_weights(accum, expected)
+
+
+def test_the_noise_scale_is_refused():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    x, y = _batches("supcon")[0]
+    logger = keras_accum.PseudoBatchLogger(noise_scale=True)
+    with pytest.raises(NotImplementedError, match="noise scale"):
+        model.fit(x, y, batch_size=B, callbacks=[logger], verbose=0)
