@@ -31,6 +31,8 @@ from keras_accum._validation import (
     check_micro_batch_size,
     check_partial_window,
     check_split_mode,
+    check_whole_batch_loss,
+    check_whole_batch_loss_mode,
 )
 from keras_accum.auto import AutoAccumSteps, AutoMicroBatch
 
@@ -155,12 +157,23 @@ SETTINGS = (
         while_open="summed in the current accumulators",
         changed="_remake_accumulators",
     ),
+    Setting(
+        "whole_batch_loss",
+        default=False,
+        check=check_whole_batch_loss,
+        # The test step computes its loss on the whole batch too.
+        split=True,
+        while_open="in it",
+    ),
     # How often the step estimates the noise scale: set by `fit` from its
     # callbacks (`PseudoBatchLogger`), 0 when none asks.
     Setting("noise_scale_every", default=0, check=int, public=False),
 )
 
-RULES = (Rule(("accum_steps", "micro_batch_size"), check_split_mode),)
+RULES = (
+    Rule(("accum_steps", "micro_batch_size"), check_split_mode),
+    Rule(("micro_batch_size", "whole_batch_loss"), check_whole_batch_loss_mode),
+)
 
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 PUBLIC = tuple(setting for setting in SETTINGS if setting.public)

@@ -6,19 +6,14 @@ functions goes through a `SplitFunction`. Before a step runs on a batch it
 makes sure that step's micro-batch size is known (`SplitSizes`): an int
 setting is the size; an `AutoMicroBatch` has `search` find the largest
 size whose step's peak fits the budget, from figures the backend measures
-(`model._probing`: JAX's compiled memory analysis, the allocator's peak of
-probe steps elsewhere). A train step that raises the backend's
-out-of-memory error is undone (`model._split_snapshot` /
-`_split_restore`: what the micro-batches write before the window closes)
-and redone on the same batch at half the size.
+(`BatchOps.probing`: JAX's compiled memory analysis, the allocator's peak
+of probe steps elsewhere). A train step that raises the backend's
+out-of-memory error is undone (`BatchOps.snapshot` / `restore`: what the
+pieces write before the window closes) and redone on the same batch at
+half the size.
 
-The backends supply small hooks, each with its own calling convention for
-Keras's functions: `_split_batches(kind, args)` (the state and an
-iterator of batches), `_split_args(kind, state, batches)` (the inverse),
-`_split_result`, `_split_outputs`, `_batch_signature`, `_device_memory`,
-`_sizing_method`, `_probing`, `_out_of_memory`, `_split_snapshot`,
-`_split_restore` and `_split_give_up`; `AccumTrainer` has defaults for
-the rest.
+Everything backend-specific comes from the model's `BatchOps`
+(`_batch_ops.py`), Keras's calling conventions included.
 """
 
 from __future__ import annotations
@@ -47,14 +42,14 @@ class SplitSizes:
 
     Attributes:
         sizes: `{(kind, signature): size}`: the size each kind of step
-            splits a batch of that signature into (`model._batch_signature`:
+            splits a batch of that signature into (`BatchOps.signature`:
             the batch's shapes on JAX, where every shape is compiled and
             sized on its own; None elsewhere, one size for every batch).
         active: `{kind: size}`: the size the step being traced or run
-            reads (`AccumTrainer._split_size`).
+            reads (`BaseBatchOps.size`).
         choices: What `model.micro_batch_choices` shows.
-        cache: What a backend keeps for its hooks (TensorFlow: the
-            compiled read of `_split_snapshot`).
+        cache: What a backend's `BatchOps` keeps (TensorFlow: the
+            compiled read of its `snapshot`).
         bounded_by_batch: `{(kind, signature): batch size}` where
             `"auto"` chose the whole batch: a larger size might fit too,
             so a larger batch of that key is searched again.
@@ -223,12 +218,12 @@ def nvidia_total_memory(index: int) -> int | None:
         nvml.nvmlShutdown()
 
 
-def budget_of(model, auto: AutoMicroBatch) -> tuple[int, str]:
+def budget_of(batch_ops, auto: AutoMicroBatch) -> tuple[int, str]:
     """`(bytes, where they come from)` a step may use under `auto`."""
     if auto.memory_limit is not None:
         limit, source = auto.memory_limit, "the given memory_limit"
     else:
-        limit, source = model._device_memory()
+        limit, source = batch_ops.device_memory()
     budget = auto.budget(limit)
     described = f"{source}, {_gib(limit)}"
     if auto.margin:
@@ -244,23 +239,28 @@ class SplitFunction:
     of them per call, as Keras's own), so that a step that runs out of
     memory can be redone on its own batch; a test or predict function
     passes its batches on to Keras's once the size is known.
+
+    Args:
+        batch_ops: The model's `BatchOps`.
+        kind: `"train"`, `"test"` or `"predict"`.
+        inner: Keras's function of `kind`.
     """
 
-    def __init__(self, model, kind: str, inner) -> None:
-        self.model = model
+    def __init__(self, batch_ops, kind: str, inner) -> None:
+        self.ops = batch_ops
         self.kind = kind
         self.inner = inner
 
     def __call__(self, *args):
-        model = self.model
-        state, batches = model._split_batches(self.kind, args)
+        ops = self.ops
+        state, batches = ops.unpack_call(self.kind, args)
         if self.kind != "train":
             first = next(batches)
             self.size_for(first, state)
             batches = itertools.chain([first], batches)
-            return self.inner(*model._split_args(self.kind, state, batches))
+            return self.inner(*ops.pack_call(self.kind, state, batches))
         outputs = None
-        for index in range(model.steps_per_execution):
+        for index in range(ops.model.steps_per_execution):
             try:
                 batch = next(batches)
             except StopIteration:
@@ -268,43 +268,43 @@ class SplitFunction:
                     raise
                 break
             outputs, state = self._train_on(batch, state)
-        return model._split_outputs(outputs, state)
+        return ops.call_result(outputs, state)
 
     def _train_on(self, batch, state):
-        model = self.model
+        ops = self.ops
         while True:
             size = self.size_for(batch, state)
-            kept = model._split_snapshot()
+            kept = ops.snapshot()
             try:
                 result = self.inner(
-                    *model._split_args(self.kind, state, iter([batch]))
+                    *ops.pack_call(self.kind, state, iter([batch]))
                 )
-                return model._split_result(result)
+                return ops.step_result(result)
             except Exception as error:
-                if not model._out_of_memory(error):
+                if not ops.is_out_of_memory(error):
                     raise
                 # The failed attempt is undone before anything else runs.
-                state = model._split_restore(kept, state, error)
+                state = ops.restore(kept, state, error)
                 if not self._shrink(batch, size, error):
-                    model._split_give_up(state)
+                    ops.give_up(state)
                     raise
 
     def size_for(self, batch, state) -> int:
         """The size this kind of step splits `batch` into; chosen (and
         recorded) where not yet known."""
-        model = self.model
-        split = model._life.split
-        key = (self.kind, model._batch_signature(batch))
+        ops = self.ops
+        split = ops.sizes
+        key = (self.kind, ops.signature(batch))
         size = split.sizes.get(key)
         # A size "auto" chose on a smaller batch (the whole of it) is no
         # bound for a larger one.
         bound = split.bounded_by_batch.get(key)
         if size is None or (
-            bound is not None and model._split_batch_size(batch) > bound
+            bound is not None and ops.batch_rows(batch) > bound
         ):
-            batch_size = model._split_batch_size(batch)
+            batch_size = ops.batch_rows(batch)
             chosen = self._choose(batch, state)
-            if isinstance(model._micro_batch_size, AutoMicroBatch) and (
+            if isinstance(ops.setting, AutoMicroBatch) and (
                 chosen >= batch_size
             ):
                 split.bounded_by_batch[key] = batch_size
@@ -313,24 +313,24 @@ class SplitFunction:
             chosen = min(chosen, split.shrunk.get(self.kind, chosen))
             if size is not None and chosen != size:
                 # The step was traced at the old size.
-                self.inner = model._fresh_inner(self.kind)
+                self.inner = ops.fresh(self.kind)
             size = split.sizes[key] = chosen
         split.active[self.kind] = size
         return size
 
     def _choose(self, batch, state) -> int:
-        model = self.model
-        setting = model._micro_batch_size
+        ops = self.ops
+        setting = ops.setting
         if not isinstance(setting, AutoMicroBatch):
             return setting
-        batch_size = model._split_batch_size(batch)
+        batch_size = ops.batch_rows(batch)
         # Each kind of step is searched on its own: evaluation keeps no
         # gradients and may take larger micro-batches than training, and
         # the train step's size is that of whichever batch came last.
-        budget, described = budget_of(model, setting)
-        exact, measured_by = model._sizing_method()
+        budget, described = budget_of(ops, setting)
+        exact, measured_by = ops.sizing_method()
         try:
-            with model._probing(self.kind, batch, state) as measure:
+            with ops.probing(self.kind, batch, state) as measure:
                 size, peak, peaks = search(measure, batch_size, budget, exact)
         except OutOfMemoryAtOne as error:
             raise RuntimeError(
@@ -362,21 +362,21 @@ class SplitFunction:
     def _shrink(self, batch, size, error) -> bool:
         """Halves the size for `batch`'s kind, with a warning; False
         where it cannot (already 1, or replicas in other processes)."""
-        model = self.model
-        if size <= 1 or not model._can_redo_out_of_memory():
+        ops = self.ops
+        if size <= 1 or not ops.can_redo():
             return False
         new = max(size // 2, 1)
-        split = model._life.split
+        split = ops.sizes
         # Every batch of this kind, whatever its shape, until `compile()`
         # or a new `micro_batch_size`: the device ran out at `size`.
         split.shrunk[self.kind] = new
         for key, known in split.sizes.items():
             if key[0] == self.kind:
                 split.sizes[key] = min(known, new)
-        split.sizes[(self.kind, model._batch_signature(batch))] = new
+        split.sizes[(self.kind, ops.signature(batch))] = new
         split.active[self.kind] = new
         self._record(
-            model._split_batch_size(batch),
+            ops.batch_rows(batch),
             new,
             "out of memory",
             predicted_peak=None,
@@ -392,7 +392,7 @@ class SplitFunction:
             stacklevel=3,
         )
         # The step is retraced at the new size.
-        self.inner = model._fresh_inner(self.kind)
+        self.inner = ops.fresh(self.kind)
         return True
 
     def _record(self, batch_size, size, reason, **figures) -> None:
@@ -403,7 +403,7 @@ class SplitFunction:
             "reason": reason,
             **figures,
         }
-        self.model._life.split.choices.append(choice)
+        self.ops.sizes.choices.append(choice)
         logger.info("micro-batch size chosen: %s", choice)
 
 

@@ -13,13 +13,15 @@ the way Keras picks its trainer by backend.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import keras
 import torch
 
-from keras_accum import _compat, _window
+from keras_accum import _batch_ops, _compat, _window
+from keras_accum._torch_batch import TorchBatchOps
+from keras_accum._torch_batch import assign_in_place as _assign_in_place
+from keras_accum._torch_batch import read_counters as _read
 from keras_accum._trainer import AccumTrainer
 
 ACC = getattr(torch, _window.ACC_DTYPE)
@@ -27,6 +29,9 @@ ACC = getattr(torch, _window.ACC_DTYPE)
 
 class TorchAccumTrainer(AccumTrainer):
     """Accumulation for Keras's PyTorch trainer; a base of `AccumModel`."""
+
+    # What a split batch's steps (`_batch_ops.py`) work with.
+    _batch_ops_class = TorchBatchOps
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -54,193 +59,30 @@ class TorchAccumTrainer(AccumTrainer):
     def train_step(self, data):
         if self._micro_batch_size is None:
             return self._micro_batch_step(data)
-        # The batch, split: each micro-batch's activations are freed before
-        # the next one's forward pass (a Python loop); the last one closes
-        # the window, one update for the batch.
-        batch_size = _batch_size(data)
-        size = self._split_size("train")
-        count = int(self._split_count(batch_size, size))
-        self._life.split_length = count
-        try:
-            for start in range(0, (count - 1) * size, size):
-                self._micro_batch_step(
-                    _sliced(data, start, start + size), track=False
-                )
-            self._micro_batch_step(
-                _sliced(data, (count - 1) * size, batch_size), track=False
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_train_step(
+                self._batch_ops_class(self), (), data
             )
-        finally:
-            self._life.split_length = None
-        _compat.track_loss(
-            self, self._batch_loss(_read(self._window)), batch_size
-        )
-        return self.get_metrics_result()
+        return _batch_ops.train_step(self._batch_ops_class(self), (), data)
 
     def test_step(self, data):
         if self._micro_batch_size is None:
             return super().test_step(data)
-        # The batch, split as in `train_step`: the loss is the batch's,
-        # tracked once; the metrics add each micro-batch up.
-        batch_size = _batch_size(data)
-        size = self._split_size("test")
-        term = normalizer = 0.0
-        reg = None
-        for start in range(0, batch_size, size):
-            stop = min(start + size, batch_size)
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
-                _sliced(data, start, stop)
+        if self._whole_batch_loss:
+            return _batch_ops.whole_batch_test_step(
+                self._batch_ops_class(self), (), data
             )
-            y_pred = self._predicted(x)
-            loss = _compat.compute_loss(
-                self, x, y, y_pred, sample_weight, training=False
-            )
-            reg = self._regularization_loss("float32")
-            share = self._evaluated_share(
-                loss, y_pred, sample_weight, stop - start, reg
-            )
-            term, normalizer = term + share[0], normalizer + share[1]
-            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        loss = self._evaluated_loss(term, normalizer, reg)
-        _compat.track_loss(self, loss, batch_size)
-        return self.get_metrics_result()
+        return _batch_ops.test_step(self._batch_ops_class(self), (), data)
 
     def predict_step(self, data):
         if self._micro_batch_size is None:
             return super().predict_step(data)
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        batch_size = _batch_size(data)
-        size = self._split_size("predict")
-        pieces = [
-            self._predicted(_sliced(x, start, min(start + size, batch_size)))
-            for start in range(0, batch_size, size)
-        ]
-        return keras.tree.map_structure(
-            lambda *parts: torch.cat(parts), *pieces
-        )
+        return _batch_ops.predict_step(self._batch_ops_class(self), (), data)
 
-    # -- Sizing the split (`_sizing.py`) -------------------------------------
-
-    def _split_batches(self, kind, args):
-        # Keras's functions take a list of batches.
-        (batches,) = args
-        return None, iter(batches)
-
-    def _split_args(self, kind, state, batches):
-        return (list(batches),)
-
-    def _split_result(self, result):
-        return result, None
-
-    def _split_outputs(self, outputs, state):
-        return outputs
-
-    def _out_of_memory(self, error) -> bool:
-        if not isinstance(error, torch.OutOfMemoryError):
-            return False
-        if torch.cuda.is_available():
-            # What the failed step held goes back to the device.
-            torch.cuda.empty_cache()
-        return True
-
-    def _split_snapshot(self):
-        values = [
-            (v, _compat.backing_value(v).detach().clone())
-            for v in self._step_written_variables()
-        ]
-        # An unseeded `Dropout` on PyTorch draws from torch's global
-        # generators, not from a Keras `SeedGenerator`'s variable: the
-        # redo draws what the first attempt drew.
-        cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = torch.cuda.get_rng_state_all()
-        return values, torch.get_rng_state(), cuda
-
-    def _split_restore(self, kept, state, error):
-        del error
-        values, cpu, cuda = kept
-        with torch.no_grad():
-            for variable, value in values:
-                _assign_in_place(variable, value)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        return state
-
-    def _cuda_device(self):
-        device = torch.device(_compat.torch_device())
-        return device if device.type == "cuda" else None
-
-    def _sizing_method(self):
-        return False, "PyTorch's CUDA allocator peak over probe steps"
-
-    def _device_memory(self):
-        device = self._cuda_device()
-        if device is None:
-            raise ValueError(
-                '`micro_batch_size="auto"` needs the allocator\'s figures, '
-                "which PyTorch has on CUDA devices only: on a CPU give an "
-                "int, e.g. `micro_batch_size=32`. Received: "
-                f"micro_batch_size={self._micro_batch_size!r} on "
-                f"{_compat.torch_device()}"
-            )
-        return torch.cuda.mem_get_info(device)[1], f"{device}'s total memory"
-
-    @contextlib.contextmanager
-    def _probing(self, kind, batch, state):
-        """`measure(size)`: the peak of the step of `kind` run on `batch`
-        at that size (None if it ran out of memory): this model's state
-        and the batch, plus what the step allocated above the memory in
-        use when it started, from the CUDA allocator's figures (other
-        models in the process are no part of it). Every variable the
-        probes may change is copied to the host first and restored
-        after."""
-        del state
-        device = self._cuda_device()
-        if device is None:
-            self._device_memory()  # Raises: no figures on a CPU.
-        variables = [
-            *self.variables,
-            *self.optimizer.variables,
-            *self.metrics_variables,
-            *self._window.variables,
-        ]
-        kept = [_compat.backing_value(v).detach().cpu() for v in variables]
-        # A batch still on the host is moved inside the step, and counted
-        # there.
-        held = sum(value.nbytes for value in kept) + sum(
-            leaf.nbytes
-            for leaf in keras.tree.flatten(batch)
-            if isinstance(leaf, torch.Tensor) and leaf.is_cuda
-        )
-        step = getattr(self, f"{kind}_step")
-
-        def measure(size):
-            set_size(size)
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            try:
-                step(batch)
-                torch.cuda.synchronize(device)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                return None
-            return held + torch.cuda.max_memory_allocated(device) - before
-
-        try:
-            with self._sizes_probed(kind) as set_size:
-                yield measure
-        finally:
-            with torch.no_grad():
-                for variable, value in zip(variables, kept, strict=True):
-                    _assign_in_place(variable, value.to(device))
-
-    def _predicted(self, x):
-        if _compat.call_takes_training(self):
-            return self(x, training=False)
-        return self(x)
-
-    def _micro_batch_step(self, data, track=True):
+    def _micro_batch_step(self, data, track=True, closes=True, length=None):
+        """Keras's step on `data`, its update replaced by the window's;
+        `length`: the pieces of a split batch, which make its window
+        (`closes`: whether this piece may close it), else None."""
         # Unpack.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -263,7 +105,7 @@ class TorchAccumTrainer(AccumTrainer):
 
         # Scale: the micro-batch's share of the window's loss.
         objective, share = self._micro_batch_share(
-            loss, y_pred, sample_weight, batch_size
+            loss, y_pred, sample_weight, batch_size, length=length
         )
 
         if not variables:
@@ -295,12 +137,12 @@ class TorchAccumTrainer(AccumTrainer):
                 backend,
                 gradients,
                 share,
-                self._plan(self.optimizer.iterations.value),
+                self._plan(self.optimizer.iterations.value, length),
             )
             # Eager: only a complete window closes, so the other
             # micro-batches skip the close's passes over the accumulators
             # (finiteness) and its ring writes.
-            if bool(complete):
+            if closes and bool(complete):
                 counters = self._close(counters, backend)
             window_state.write(counters, read, _assign_in_place)
 
@@ -454,31 +296,3 @@ class TorchOps(_window.WindowOps):
             ]
             self.optimizer.apply(grads, self.variables)
         return self.optimizer.iterations.value
-
-
-def _sliced(data, start, stop):
-    """Samples `start` to `stop` of every tensor in `data`."""
-    return keras.tree.map_structure(
-        lambda t: t if t is None else t[start:stop], data
-    )
-
-
-def _read(state) -> _window.Counters:
-    # `Variable._value`: `.value` looks for an autocast scope on every read
-    # (about 3 µs each, 23 counters a micro-batch on the eager step), and
-    # the window's variables are float32 and int32, which it leaves alone.
-    value = _compat.backing_value
-    return _window.Counters.from_flat(value(v) for v in state.counters.flat())
-
-
-def _assign_in_place(variable, value):
-    # The rules make each counter's value in its variable's dtype and
-    # shape: Keras's `assign` would convert and check it again, which on a
-    # small model costs more per step than the copies.
-    _compat.backing_value(variable).copy_(value)
-
-
-def _batch_size(data):
-    """The number of samples in a batch's inputs."""
-    x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    return next(i for i in keras.tree.flatten(x) if i is not None).shape[0]

@@ -13,7 +13,6 @@ the window at epoch boundaries.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
@@ -22,14 +21,14 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_accum import _compat, _settings, _sizing, _window
+from keras_accum import _batch_ops, _compat, _settings, _sizing, _window
 from keras_accum import _normalizer as normalizers
 from keras_accum._backend_support import check_model
 from keras_accum._compat import Functional
 from keras_accum._validation import steps_for_epoch
 from keras_accum._window import COUNT_DTYPE, WindowState
 from keras_accum._window_fields import FIELDS
-from keras_accum._window_log import LOG_CAPACITY, read_array, read_int
+from keras_accum._window_log import read_array, read_int
 from keras_accum._window_saving import (
     WindowRules,
     saved_for_other_weights,
@@ -67,14 +66,10 @@ class WindowLife:
             exists; once it exists its counters hold them instead
             (`counters.epoch`, `counters.steps_per_epoch`) and these are
             None.
-        split_length: With `micro_batch_size`, while a step runs (or is
-            traced): the micro-batches its batch splits into, the length
-            of its window (an int, or a scalar tensor where the batch's
-            size is known only when it runs). None otherwise.
         split: With `micro_batch_size`, the sizes in force and the
             choices made (`_sizing.SplitSizes`).
         batch_metrics_checked: Whether the split step looked for
-            metrics of one value per batch (`_warn_of_batch_metrics`),
+            metrics of one value per batch (`_batch_ops`),
             once after `compile`.
     """
 
@@ -86,7 +81,6 @@ class WindowLife:
     kept_controller: dict | None = None
     epoch: int | None = 0
     steps_per_epoch: int | None = 0
-    split_length: Any = None
     split: _sizing.SplitSizes = dataclasses.field(
         default_factory=_sizing.SplitSizes
     )
@@ -96,9 +90,11 @@ class WindowLife:
 class AccumTrainer:
     """The backend-neutral half of `AccumModel`'s training.
 
-    Backends provide `train_step` and `_make_flush_function()`, and may
-    override `_create_window(length, hooks)` (TensorFlow's is per replica)
-    and `_check_length_in_step`.
+    Backends provide `train_step`, `test_step` and `predict_step` (the
+    split ones through `_batch_ops`), `_micro_batch_step(...)`,
+    `_make_flush_function()` and `_batch_ops_class` (their
+    `_batch_ops.BatchOps`), and may override `_create_window(length,
+    hooks)` (TensorFlow's is per replica) and `_check_length_in_step`.
 
     The package's state on the model is set here and nowhere else: the
     settings (`_accum_steps` and the others of `_settings.SETTINGS`,
@@ -336,7 +332,7 @@ class AccumTrainer:
         """The window length the configuration gives now, if static (not
         a callable schedule's, nor `"auto"`'s)."""
         if isinstance(self._accum_steps, dict):
-            return steps_for_epoch(self._accum_steps, self._fit_epoch())
+            return steps_for_epoch(self._accum_steps, fit_epoch(self))
         if callable(self._accum_steps) or self._auto() is not None:
             return None
         return self._accum_steps
@@ -369,7 +365,7 @@ class AccumTrainer:
         counters = self._window.counters
         for name, value in kept.items():
             counters.get(name).assign(value)
-        length = self._first_length_of(kept, auto)
+        length = _first_length_of(kept, auto)
         counters.target_length.assign(length)
         counters.window_length.assign(length)
 
@@ -383,14 +379,7 @@ class AccumTrainer:
         kept = self._life.kept_controller
         if kept is None:
             return auto.min_steps
-        return self._first_length_of(kept, auto)
-
-    @staticmethod
-    def _first_length_of(kept: dict, auto: AutoAccumSteps) -> int:
-        """The length a recompile's controller goes on from: the one it
-        reached, within the (possibly new) bounds."""
-        reached = int(kept["target_length"])
-        return min(max(reached, auto.min_steps), auto.max_steps)
+        return _first_length_of(kept, auto)
 
     def _loads_as_plain_keras(self, filepath) -> bool:
         """Whether `load_weights(filepath)` leaves the optimizer and the
@@ -418,9 +407,10 @@ class AccumTrainer:
             )
         if not mismatch:
             return False
-        lora = self._lora_layers_text(
+        lora = _lora_layers_text(
+            self,
             "a LoRA model rebuilt with another rank loads each kernel with "
-            "the saved LoRA update folded in and its new factors at zero."
+            "the saved LoRA update folded in and its new factors at zero.",
         )
         warnings.warn(
             f"The accumulation window saved in {os.fspath(filepath)} holds "
@@ -434,18 +424,6 @@ class AccumTrainer:
             stacklevel=3,
         )
         return True
-
-    def _lora_layers_text(self, then: str) -> str:
-        """` This model's LoRA layers: 'path' (rank r), ...; <then>` for
-        messages; empty without LoRA."""
-        lora = [
-            f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
-            for layer in _compat.sublayers(self)
-            if getattr(layer, "lora_enabled", False)
-        ]
-        if not lora:
-            return ""
-        return f" This model's LoRA layers: {', '.join(lora)}; {then}"
 
     def _check_saved_optimizer(self, filepath) -> None:
         """Raises, before anything loads, where Keras would fail on the
@@ -466,9 +444,10 @@ class AccumTrainer:
         for variable, shape in zip(variables, saved, strict=True):
             if tuple(variable.shape) == shape:
                 continue
-            lora = self._lora_layers_text(
+            lora = _lora_layers_text(
+                self,
                 "a LoRA model rebuilt with another rank has factors of "
-                "other shapes."
+                "other shapes.",
             )
             raise ValueError(
                 f"The optimizer state saved in {os.fspath(filepath)} is "
@@ -514,26 +493,30 @@ class AccumTrainer:
         if self.train_function is not None and not force:
             return self.train_function
         check_model(self)
-        self.train_function = self._split_function(
-            "train", self._keras_function("train")
-        )
+        self.train_function = self._step_function("train")
         return self.train_function
 
     def make_test_function(self, force: bool = False):
         if self.test_function is not None and not force:
             return self.test_function
-        self.test_function = self._split_function(
-            "test", self._keras_function("test")
-        )
+        self.test_function = self._step_function("test")
         return self.test_function
 
     def make_predict_function(self, force: bool = False):
         if self.predict_function is not None and not force:
             return self.predict_function
-        self.predict_function = self._split_function(
-            "predict", self._keras_function("predict")
-        )
+        self.predict_function = self._step_function("predict")
         return self.predict_function
+
+    def _step_function(self, kind):
+        """Keras's function of `kind`, made anew; with `micro_batch_size`,
+        through a `_sizing.SplitFunction` that sizes the pieces."""
+        function = self._keras_function(kind)
+        if self._micro_batch_size is None:
+            return function
+        return _sizing.SplitFunction(
+            self._batch_ops_class(self), kind, function
+        )
 
     def _keras_function(self, kind):
         """Keras's own function of `kind` (made anew), the train function
@@ -547,20 +530,6 @@ class AccumTrainer:
             function = _checked_train_function(self, function)
         return function
 
-    def _split_function(self, kind, function):
-        if self._micro_batch_size is None:
-            return function
-        return _sizing.SplitFunction(self, kind, function)
-
-    def _fresh_inner(self, kind):
-        """Keras's function of `kind` traced anew (after the size
-        changed), leaving the model's own in place."""
-        kept = getattr(self, f"{kind}_function")
-        try:
-            return self._keras_function(kind)
-        finally:
-            setattr(self, f"{kind}_function", kept)
-
     # -- A batch split into micro-batches (`micro_batch_size`) ---------------
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
@@ -569,151 +538,13 @@ class AccumTrainer:
             self._micro_batch_size is not None
             and not self._life.batch_metrics_checked
         ):
-            self._warn_of_batch_metrics(y, y_pred)
+            _batch_ops.warn_of_batch_metrics(self, y, y_pred)
         return logs
-
-    def _warn_of_batch_metrics(self, y, y_pred) -> None:
-        """Warns of each compiled metric function whose value has no batch
-        dimension: split, it is averaged over micro-batches, each counted
-        once, where `keras.Model` averages it over batches. Its values are
-        computed once, on the first micro-batch after `compile` (unused:
-        a compiled step drops them)."""
-        found = _compat.metric_function_values(self, y, y_pred)
-        # Built by the update before; unbuilt, nothing is compiled.
-        self._life.batch_metrics_checked = True
-        for metric, values in found:
-            if len(ops.shape(values)) > 0:
-                continue
-            warnings.warn(
-                f"The metric `{metric.name}` returns one value per batch "
-                "(a scalar), not one per sample: with `micro_batch_size` "
-                "it is computed on each micro-batch and averaged over "
-                "them, so its logs differ from `keras.Model`'s at the "
-                "batch. Return one value per sample (e.g. "
-                "`ops.mean(..., axis=-1)` rather than `ops.mean(...)`), "
-                "which the split adds up exactly, or train unsplit. "
-                f"Received: micro_batch_size={self._micro_batch_size!r}",
-                stacklevel=2,
-            )
-
-    def _split_size(self, kind: str) -> int:
-        """The micro-batch size a step of `kind` (`"train"`, `"test"`,
-        `"predict"`) splits its batch into: the one its function chose
-        (`_sizing.SplitFunction`), else an int setting."""
-        size = self._life.split.active.get(kind)
-        if size is None:
-            size = self._micro_batch_size
-        if not isinstance(size, int):
-            raise RuntimeError(
-                f'`micro_batch_size="auto"` chooses the size for the {kind} '
-                "step when `fit`, `evaluate` or `predict` (or "
-                "`train_on_batch`, `test_on_batch`, `predict_on_batch`) "
-                "first runs it; this step was called directly before. Run "
-                "one of them first, or give an int. Received: "
-                f"micro_batch_size={self._micro_batch_size!r}"
-            )
-        return size
-
-    def _split_batch_size(self, batch) -> int:
-        """The number of samples in `batch` (a step's data, as Keras's
-        function passes it), known before its step runs."""
-        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
-        first = next(i for i in keras.tree.flatten(x) if i is not None)
-        return int(self._local_shape(first)[0])
-
-    def _local_shape(self, value):
-        return value.shape
-
-    def _batch_signature(self, batch):
-        """What a micro-batch size is chosen for: one size for every
-        batch (None) unless a backend compiles each shape on its own."""
-        del batch
-        return None
-
-    def _step_written_variables(self) -> list:
-        """The variables a split train step writes before its window
-        closes: the metrics', the model's state (normalization statistics,
-        seed generators; not frozen weights) and the window's counters.
-        The accumulators need no copy: restoring the counters reopens the
-        window at its start, whose first micro-batch overwrites them."""
-        frozen = _compat.created_trainable_ids(self)
-        state = [v for v in self.non_trainable_variables if id(v) not in frozen]
-        # None before a model that builds only on real data first runs.
-        window = [] if self._window is None else self._window.counters.flat()
-        return [*self.metrics_variables, *state, *window]
-
-    @contextlib.contextmanager
-    def _sizes_probed(self, kind):
-        """Yields `set_size(size)`, which makes the step of `kind` trace at
-        `size`; the size in force before comes back after."""
-        active = self._life.split.active
-        before = active.get(kind)
-
-        def set_size(size):
-            active[kind] = size
-
-        try:
-            yield set_size
-        finally:
-            if before is None:
-                active.pop(kind, None)
-            else:
-                active[kind] = before
-
-    def _can_redo_out_of_memory(self) -> bool:
-        return True
-
-    def _split_give_up(self, state) -> None:
-        """Before an out-of-memory error that no smaller size can help is
-        raised: puts `state` (the step's input, as restored) where the
-        model's variables read it."""
-        del state
-
-    def _split_count(self, batch_size, size):
-        """How many micro-batches of at most `size` a batch of
-        `batch_size` samples splits into (at least 1)."""
-        if isinstance(batch_size, int):  # A static shape (JAX, PyTorch).
-            return max(-(-batch_size // size), 1)
-        return ops.maximum((batch_size + size - 1) // size, 1)
-
-    def _evaluated_share(self, loss, y_pred, sample_weight, batch_size, reg):
-        """`(term, normalizer)` of an evaluated micro-batch's loss, float32:
-        its loss times what it averaged over, or (where the losses sum) its
-        loss less the regularization `reg`, which the batch counts once.
-        The batch's loss is `_evaluated_loss` of their sums."""
-        found = normalizers.reductions(self)
-        rule = normalizers.rule(found, len(keras.tree.flatten(y_pred)))
-        loss = ops.cast(_compat.unscale_loss_for_distribution(loss), "float32")
-        normalizer = normalizers.normalizer(
-            rule.kind, y_pred, sample_weight, batch_size
-        )
-        if normalizer is None:
-            return loss - ops.cast(reg, "float32"), ops.zeros((), "float32")
-        normalizer = ops.cast(normalizer, "float32")
-        return loss * normalizer, normalizer
-
-    def _evaluated_loss(self, term, normalizer, reg):
-        """The evaluated batch's loss from its micro-batches' summed
-        `_evaluated_share`s, as `Model(B)` computes it."""
-        if self._losses_sum():
-            return term + ops.cast(reg, "float32")
-        return term / _window.window_divisor(normalizer)
-
-    def _losses_sum(self) -> bool:
-        found = normalizers.reductions(self)
-        return normalizers.rule(found, None).kind == "zero"
-
-    def _batch_loss(self, counters):
-        """The loss of the batch a split step just closed, as `Model(B)`
-        computes it: the window's published pseudo-batch loss."""
-        log = counters.log
-        slot = (log.count - 1) % LOG_CAPACITY
-        return ops.take(log.loss, slot)
 
     # -- The micro-batch's share of the window --------------------------------
 
     def _micro_batch_share(
-        self, loss, y_pred, sample_weight, batch_size, device=None
+        self, loss, y_pred, sample_weight, batch_size, device=None, length=None
     ):
         """What every backend's step differentiates and adds to the window.
 
@@ -727,7 +558,9 @@ class AccumTrainer:
 
         `device` is the index of the device whose shard of the micro-batch
         this is, where each device computes its own gradient (JAX's
-        partial sums, `_jax_devices`); None elsewhere.
+        partial sums, `_jax_devices`); None elsewhere. `length` is the
+        window's length where the step splits a batch (its pieces: an
+        int, or a scalar tensor), else None.
 
         Returns:
             `(objective, share)`: the micro-batch's share of the window's
@@ -753,7 +586,7 @@ class AccumTrainer:
             share = _window.Share(None, 0.0, _stopped(objective), batch_size)
         else:
             objective, share = self._averaged_objective(
-                loss, normalizer, batch_size
+                loss, normalizer, batch_size, length
             )
         if self.optimizer is not None:
             objective = self.optimizer.scale_loss(objective)
@@ -770,7 +603,7 @@ class AccumTrainer:
             later = ops.logical_or(later, device != 0)
         return loss - ops.cast(later, loss.dtype) * regularization
 
-    def _averaged_objective(self, loss, normalizer, batch_size):
+    def _averaged_objective(self, loss, normalizer, batch_size, length=None):
         """A mean-reduced micro-batch loss, weighted by `normalizer`."""
         mean = _compat.unscale_loss_for_distribution(loss)
         if isinstance(normalizer, int):
@@ -790,17 +623,15 @@ class AccumTrainer:
         # the large batch applies. Its mean divides each sample's gradient
         # by the window's size, about `length` times the micro-batch's; the
         # float32 weight gives the factor back.
-        length = ops.cast(self._window_length_now(), mean.dtype)
+        # The length of the window this micro-batch belongs to.
+        counters = self._window.read()
+        scheduled = self._scheduled_length(self.optimizer.iterations, length)
+        length = _window.next_window_length(counters, scheduled)
+        length = ops.cast(length, mean.dtype)
         weight = normalizer * ops.cast(length, "float32")
         return mean / length, _window.Share(
             weight, normalizer, term, batch_size
         )
-
-    def _window_length_now(self):
-        """The length of the window this step's micro-batch belongs to."""
-        counters = self._window.read()
-        scheduled = self._scheduled_length(self.optimizer.iterations)
-        return _window.next_window_length(counters, scheduled)
 
     def _regularization_loss(self, dtype):
         losses = [
@@ -813,14 +644,15 @@ class AccumTrainer:
             total = ops.add(total, value)
         return ops.cast(total, dtype)
 
-    def _plan(self, updates) -> _window.Plan:
-        """How this step adds its micro-batch to the window."""
+    def _plan(self, updates, length=None) -> _window.Plan:
+        """How this step adds its micro-batch to the window; `length`: the
+        pieces of a split batch, which make its window, else None."""
         return _window.Plan(
-            scheduled=self._scheduled_length(updates),
+            scheduled=self._scheduled_length(updates, length),
             noise_every=self._noise_every(),
             # A split batch's window closes with the batch, always.
             close_at_epoch_end=self._partial_window == "apply"
-            and self._life.split_length is None,
+            and length is None,
             rounds=self._window.rounds,
         )
 
@@ -872,14 +704,15 @@ class AccumTrainer:
 
     # -- Schedules ------------------------------------------------------------
 
-    def _scheduled_length(self, updates):
-        """The callable schedule's window length for `updates`, in the step.
+    def _scheduled_length(self, updates, length=None):
+        """The window length for `updates`, in the step: a split batch's
+        `length` (its pieces), else the callable schedule's.
 
-        None unless `accum_steps` is a callable (the window then takes its
-        length from `target_length`).
+        None unless one of them is given (the window then takes its length
+        from `target_length`).
         """
-        if self._life.split_length is not None:
-            return ops.cast(self._life.split_length, COUNT_DTYPE)
+        if length is not None:
+            return ops.cast(length, COUNT_DTYPE)
         if not callable(self._accum_steps):
             return None
         length = ops.cast(self._accum_steps(updates), COUNT_DTYPE)
@@ -942,38 +775,39 @@ class AccumTrainer:
         # Part of the traced step: a change retraces it once.
         self._change_settings({"noise_scale_every": every})
 
-    # -- Epoch boundaries (told by `_window_epochs.WindowEpochs`) -------------
 
-    # `fit`'s position lives in the window's counters once it exists, in
-    # `_life` before: one place at a time.
+# -- Epoch boundaries (told by `_window_epochs.WindowEpochs`) -----------------
 
-    def _fit_epoch(self) -> int:
-        """The epoch in progress, or once one has ended the next one."""
-        if self._window is None:
-            return self._life.epoch
-        return read_int(self._window.counters.epoch)
+# `fit`'s position lives in the window's counters once it exists, in the
+# model's `_life` before: one place at a time.
 
-    def _set_steps_per_epoch(self, steps):
-        steps = int(steps or 0)
-        if self._window is None:
-            self._life.steps_per_epoch = steps
-        else:
-            self._window.counters.steps_per_epoch.assign(steps)
 
-    def _set_epoch(self, epoch):
-        if self._window is None:
-            self._life.epoch = epoch
-        else:
-            self._window.counters.epoch.assign(epoch)
-            self._window.counters.epoch_step.assign(0)
+def fit_epoch(model) -> int:
+    """The epoch in progress, or once one has ended the next one."""
+    if model._window is None:
+        return model._life.epoch
+    return read_int(model._window.counters.epoch)
 
-    def _start_epoch(self, epoch):
-        self._set_epoch(epoch)
-        self._assign_target_length()
 
-    def _end_epoch(self, epoch):
-        # What a backup taken now belongs to: the start of the next epoch.
-        self._set_epoch(epoch + 1)
+def set_steps_per_epoch(model, steps) -> None:
+    """Tells the model `fit`'s steps per epoch (0: unknown, or not fitting)."""
+    steps = int(steps or 0)
+    if model._window is None:
+        model._life.steps_per_epoch = steps
+    else:
+        model._window.counters.steps_per_epoch.assign(steps)
+
+
+def set_epoch(model, epoch, starts: bool = False) -> None:
+    """Tells the model the epoch `fit` is at; where it `starts`, the
+    window's target length follows the configuration for it."""
+    if model._window is None:
+        model._life.epoch = epoch
+    else:
+        model._window.counters.epoch.assign(epoch)
+        model._window.counters.epoch_step.assign(0)
+    if starts:
+        model._assign_target_length()
 
 
 def forward_layers(model) -> list:
@@ -1047,3 +881,23 @@ def _checked_train_function(model, function):
         return outputs
 
     return train_function
+
+
+def _first_length_of(kept: dict, auto: AutoAccumSteps) -> int:
+    """The length a recompile's controller goes on from: the one it
+    reached, within the (possibly new) bounds."""
+    reached = int(kept["target_length"])
+    return min(max(reached, auto.min_steps), auto.max_steps)
+
+
+def _lora_layers_text(model, then: str) -> str:
+    """` This model's LoRA layers: 'path' (rank r), ...; <then>` for
+    messages; empty without LoRA."""
+    lora = [
+        f"{layer.path!r} (rank {getattr(layer, 'lora_rank', '?')})"
+        for layer in _compat.sublayers(model)
+        if getattr(layer, "lora_enabled", False)
+    ]
+    if not lora:
+        return ""
+    return f" This model's LoRA layers: {', '.join(lora)}; {then}"

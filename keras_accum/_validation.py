@@ -189,3 +189,37 @@ def check_keywords(
         f"Unrecognized keyword argument(s) for `{owner}`: {shown}.{hint} "
         f"It takes {listed}{passed}."
     )
+
+
+def check_whole_batch_loss(whole_batch_loss: object) -> bool:
+    """Returns `whole_batch_loss` if it is a bool, else raises."""
+    if not isinstance(whole_batch_loss, bool):
+        raise TypeError(
+            "`whole_batch_loss` must be True or False. "
+            f"Received: whole_batch_loss={whole_batch_loss!r} "
+            f"(of type {type(whole_batch_loss).__name__})"
+        )
+    return whole_batch_loss
+
+
+def check_whole_batch_loss_mode(micro_batch_size, whole_batch_loss) -> None:
+    """Refuses `whole_batch_loss` without `micro_batch_size`: only a batch
+    split inside the step has a whole batch for the loss to see."""
+    if whole_batch_loss and micro_batch_size is None:
+        raise ValueError(
+            "`whole_batch_loss` needs `micro_batch_size`: the loss sees the "
+            "whole batch only where the step splits it. Set "
+            "`micro_batch_size` too, or leave `whole_batch_loss` False. "
+            f"Received: micro_batch_size={micro_batch_size!r}, "
+            f"whole_batch_loss={whole_batch_loss!r}"
+        )
+    if whole_batch_loss and not isinstance(micro_batch_size, int):
+        # Refused where it is set, before `fit` sizes a step that would
+        # not count the batch's cached outputs and their gradient.
+        raise ValueError(
+            "`whole_batch_loss=True` does not size its pieces automatically "
+            "yet: the sizing would not count the batch's cached outputs and "
+            "their gradient. Give `micro_batch_size` as an int. Received: "
+            f"micro_batch_size={micro_batch_size!r}, "
+            f"whole_batch_loss={whole_batch_loss!r}"
+        )

@@ -15,7 +15,7 @@ import warnings
 
 import keras
 
-from keras_accum import _compat
+from keras_accum import _compat, _trainer
 from keras_accum._window_log import MINIMIZED_LOG_KEYS
 
 
@@ -55,7 +55,7 @@ class WindowEpochs(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self._accum_model
-        model._set_steps_per_epoch(self.params.get("steps"))
+        _trainer.set_steps_per_epoch(model, self.params.get("steps"))
         model._check_schedule()
         if model._window is not None:
             # Only a window the other callbacks load from here on counts
@@ -63,14 +63,15 @@ class WindowEpochs(keras.callbacks.Callback):
             model._window.take_loaded_position()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._accum_model._start_epoch(epoch)
+        _trainer.set_epoch(self._accum_model, epoch, starts=True)
         self._skipped_before = self._accum_model.skipped_windows
 
     def on_epoch_end(self, epoch, logs=None):
         if self._accum_model.partial_window == "apply":
             # Unknown epoch length: the step could not close the window.
             self._accum_model.apply_partial_window()
-        self._accum_model._end_epoch(epoch)
+        # What a backup taken now belongs to: the start of the next epoch.
+        _trainer.set_epoch(self._accum_model, epoch + 1)
         self._count_skipped(epoch)
         for logger in self._loggers:
             logger._on_window_epoch_end(logs)
@@ -106,7 +107,7 @@ class WindowEpochs(keras.callbacks.Callback):
         )
 
     def on_train_end(self, logs=None):
-        self._accum_model._set_steps_per_epoch(0)
+        _trainer.set_steps_per_epoch(self._accum_model, 0)
 
 
 class WindowResume(keras.callbacks.Callback):

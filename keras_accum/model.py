@@ -237,6 +237,17 @@ class AccumModel(_Trainer, keras.Model):
             `k` micro-batches about 2**-9 * sqrt(k) of the sum's
             magnitude). The close divides in float32. See the guide
             "Low-precision models". Defaults to `None`.
+        whole_batch_loss: Boolean. Whether the loss (and the compiled
+            metrics) see the whole batch at once rather than each
+            micro-batch: for losses that compare the samples of a batch
+            (contrastive losses, in-batch negatives). Each piece of
+            `micro_batch_size` rows runs forward twice, its random draws
+            replayed: once for the batch's outputs, once to carry the
+            loss's gradient back; `evaluate` computes the loss on the
+            whole batch too. Only with an int `micro_batch_size`, on one
+            device, without loss scaling; layers that mix the samples of
+            a batch (a training `BatchNormalization`) and activity
+            regularizers are refused. Defaults to `False`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`: those it takes (`name`,
             `trainable`, `dtype`, ...); any other is refused.
@@ -290,6 +301,7 @@ class AccumModel(_Trainer, keras.Model):
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
         accumulator_dtype: DTypeLike | None = None,
+        whole_batch_loss: bool = False,
         **kwargs: Any,
     ) -> None:
         # Before Keras sees them: a functional model ignores keywords it
@@ -339,6 +351,7 @@ class AccumModel(_Trainer, keras.Model):
         partial_window: str = "apply",
         micro_batch_size: int | str | AutoMicroBatch | None = None,
         accumulator_dtype: DTypeLike | None = None,
+        whole_batch_loss: bool = False,
     ) -> AccumModel:
         """Returns an `AccumModel` computing what `model` computes.
 
@@ -366,6 +379,8 @@ class AccumModel(_Trainer, keras.Model):
                 `AutoMicroBatch`, as for `AccumModel`. Defaults to `None`.
             accumulator_dtype: None, `"float32"` or `"bfloat16"`, as for
                 `AccumModel`. Defaults to `None`.
+            whole_batch_loss: Boolean, as for `AccumModel`. Defaults to
+                `False`.
 
         Returns:
             An `AccumModel` (uncompiled) computing what `model` computes.
@@ -466,6 +481,18 @@ class AccumModel(_Trainer, keras.Model):
     @accumulator_dtype.setter
     def accumulator_dtype(self, value: Any) -> None:
         self._change_settings({"accumulator_dtype": value})
+
+    @property
+    def whole_batch_loss(self) -> bool:
+        """Whether the loss sees the whole batch (with `micro_batch_size`).
+
+        Setting it applies from the next step (and retraces the step);
+        refused while a window is open."""
+        return self._whole_batch_loss
+
+    @whole_batch_loss.setter
+    def whole_batch_loss(self, value: bool) -> None:
+        self._change_settings({"whole_batch_loss": value})
 
     @property
     def micro_batch_choices(self) -> list[dict]:

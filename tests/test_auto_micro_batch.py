@@ -315,9 +315,10 @@ LINEAR_AUTO = keras_accum.AutoMicroBatch(memory_limit=2350, margin=0.0)
 
 
 class _LinearPeaks(keras_accum.AccumModel):
-    @contextlib.contextmanager
-    def _probing(self, kind, batch, state):
-        yield lambda size: 1000 + LINEAR_SLOPES[kind] * size
+    class _batch_ops_class(keras_accum.AccumModel._batch_ops_class):
+        @contextlib.contextmanager
+        def probing(self, kind, batch, state):
+            yield lambda size: 1000 + LINEAR_SLOPES[kind] * size
 
 
 def _chosen(model, batch_size=None):
@@ -622,6 +623,45 @@ def test_out_of_memory_shrinks_and_redoes_the_batch_exactly():
     # Until `compile()`: the size is the setting again.
     model.compile(optimizer="adam", loss="mse")
     assert model.micro_batch_choices == []
+
+
+class _CountsTraces(keras_accum.AccumModel):
+    """Counts the calls of its train step: on JAX and TensorFlow, its
+    traces (a compiled step runs without calling it)."""
+
+    def train_step(self, *args):
+        self.traces = getattr(self, "traces", 0) + 1
+        return super().train_step(*args)
+
+
+@pytest.mark.skipif(
+    BACKEND == "torch",
+    reason="PyTorch's step is eager: nothing compiled for a shrink to drop",
+)
+def test_a_shrink_retraces_its_own_model_only():
+    """A model's out-of-memory shrink retraces its own step and leaves
+    another model's compiled step cached (on JAX it once called
+    `jax.clear_caches()`, which drops every compiled function in the
+    process)."""
+    x, y = _oom_data()
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    other = _CountsTraces(
+        inputs, keras.layers.Dense(3)(hidden), micro_batch_size=8
+    )
+    other.compile(optimizer="adam", loss="mse")
+    common = {"batch_size": 16, "shuffle": False, "verbose": 0}
+    other.fit(x, y, **common)
+    traced = other.traces
+    other.fit(x, y, **common)
+    assert other.traces == traced  # Compiled once, then cached.
+    model = _oom_model(keras_accum.AccumModel, LIMIT, micro_batch_size=8)
+    caught = _fit_against_model_16(model)
+    assert [m for m in caught if "ran out of memory" in m]
+    other.fit(x, y, **common)
+    assert other.traces == traced
+    assert int(other.optimizer.iterations) == 6
 
 
 @pytest.mark.skipif(

@@ -598,6 +598,7 @@ _SETTING_EXAMPLES = {
     "partial_window": [{"partial_window": "carry"}],
     "micro_batch_size": [{"micro_batch_size": 4}, {"micro_batch_size": "auto"}],
     "accumulator_dtype": [{"accumulator_dtype": "bfloat16"}],
+    "whole_batch_loss": [{"micro_batch_size": 4, "whole_batch_loss": True}],
 }
 
 
@@ -747,3 +748,26 @@ def test_a_rule_across_settings_holds_at_every_way_in(way):
             AccumModel(*_dense_graph(), micro_batch_size=4).accum_steps = 2
         else:
             AccumModel.from_config(_functional_config(**pair))
+
+
+@pytest.mark.parametrize(
+    "way", ["constructor", "from_model", "setter", "setter_other", "config"]
+)
+def test_whole_batch_loss_needs_micro_batch_size_at_every_way_in(way):
+    match = r"`whole_batch_loss` needs `micro_batch_size`.*micro_batch_size="
+    with pytest.raises(ValueError, match=match):
+        if way == "constructor":
+            AccumModel(*_dense_graph(), whole_batch_loss=True)
+        elif way == "from_model":
+            AccumModel.from_model(
+                keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]),
+                whole_batch_loss=True,
+            )
+        elif way == "setter":
+            AccumModel(*_dense_graph()).whole_batch_loss = True
+        elif way == "setter_other":
+            AccumModel(
+                *_dense_graph(), micro_batch_size=4, whole_batch_loss=True
+            ).micro_batch_size = None
+        else:
+            AccumModel.from_config(_functional_config(whole_batch_loss=True))

@@ -1,0 +1,489 @@
+"""JAX's `BatchOps` (`_batch_ops.py`): a split batch in a stateless step.
+
+The pieces run in a `jax.lax.fori_loop` (`scan` where each piece's outputs
+are kept), carrying the step's state values; a piece is a
+`dynamic_slice` of every array. Under a `keras.distribution` each device
+splits its own rows (the batch's shards along the batch axis): a piece
+takes as many rows from every device and stays where its rows are. Every
+shape of batch is compiled, and so sized, on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.experimental.sparse
+import keras
+
+from keras_accum import _batch_ops, _compat, _jax_devices, _sizing
+from keras_accum._batch_ops import Looped, Split
+
+
+class JaxBatchOps(_batch_ops.BaseBatchOps):
+    """`BatchOps` of `JaxAccumTrainer`: the state is the step's values."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.shards = _jax_devices.data_shards()
+
+    # -- The batch ------------------------------------------------------------
+
+    def split(self, data, size):
+        batch_size = _batch_ops.first_input(data).shape[0]
+        shards = self.shards
+        if shards > 1 and any(
+            isinstance(t, jax.experimental.sparse.BCOO)
+            for t in keras.tree.flatten(data)
+        ):
+            raise ValueError(
+                "`micro_batch_size` cannot split a sparse (BCOO) batch that "
+                f"a `keras.distribution` shards over {shards} devices: "
+                "densify it, or unset `micro_batch_size`. Received: "
+                f"micro_batch_size={self.setting!r}"
+            )
+        # Keras's distribution refuses a batch its devices cannot share
+        # evenly before the step.
+        rows = batch_size // shards
+        count = _batch_ops.piece_count(rows, size)
+        return Split(batch_size, rows, count, size, min(size, rows))
+
+    def piece(self, tree, start, size):
+        return keras.tree.map_structure(
+            lambda t: _piece(t, start, size, self.shards), tree
+        )
+
+    def loop(self, count, body, carry, collect=None):
+        if count <= 0:
+            return Looped(carry, None, None)
+        if collect is None:
+            return Looped(jax.lax.fori_loop(0, count, body, carry), None, None)
+        carry, stacked = jax.lax.scan(
+            lambda carry, i: body(i, carry), carry, jax.numpy.arange(count)
+        )
+        return Looped(carry, stacked, None)
+
+    def after(self, done, tree):
+        # A traced program runs in its data's order.
+        return tree
+
+    def join(self, collected, last, split):
+        if collected is None:
+            return last
+        return keras.tree.map_structure(
+            lambda s, o: _joined(s, o, self.shards), collected, last
+        )
+
+    # -- One piece ------------------------------------------------------------
+
+    def train_piece(self, state, piece, count, closes):
+        return self.model._micro_batch_step(
+            state, piece, track=False, closes=closes, length=count
+        )[1]
+
+    def evaluate_piece(self, state, piece):
+        model = self.model
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(piece)
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = False
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        mapping = [
+            *zip(model.trainable_variables, trainable, strict=True),
+            *zip(model.non_trainable_variables, non_trainable, strict=True),
+            *zip(model.metrics_variables, metrics, strict=True),
+        ]
+        if losses:
+            _compat.override_losses(model, losses)
+        try:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                loss = _compat.compute_loss(
+                    model, x, y, y_pred, sample_weight, training=False
+                )
+                rows = _batch_ops.first_input(x).shape[0]
+                part = _batch_ops.evaluated_piece(
+                    model, loss, y_pred, sample_weight, rows
+                )
+                model.compute_metrics(x, y, y_pred, sample_weight)
+        finally:
+            if losses:
+                _compat.override_losses(model, None)
+        metrics = current_values(scope, model.metrics_variables)
+        return (trainable, non_trainable, metrics), part
+
+    def predict_piece(self, state, x):
+        model = self.model
+        trainable, non_trainable = state
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = False
+        outputs, non_trainable = model.stateless_call(
+            trainable, non_trainable, x, **kwargs
+        )
+        return (trainable, non_trainable), outputs
+
+    def train_result(self, state, batch_size):
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        count = len(model.optimizer.variables)
+        _, counters = model._window.unpack(optimizer_and_window[count:])
+        logs, metrics = self._tracked(
+            metrics, _batch_ops.batch_loss(counters), batch_size
+        )
+        return logs, (trainable, non_trainable, optimizer_and_window, metrics)
+
+    def test_result(self, state, loss, batch_size):
+        trainable, non_trainable, metrics = state
+        logs, metrics = self._tracked(metrics, loss, batch_size)
+        return logs, (trainable, non_trainable, metrics)
+
+    def _tracked(self, metrics, loss, batch_size):
+        """`(logs, metrics)` with `loss` in the running mean `fit` logs,
+        once for the batch, as `keras.Model` adds it."""
+        model = self.model
+        mapping = list(zip(model.metrics_variables, metrics, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            _compat.track_loss(model, loss, batch_size)
+            logs = model.get_metrics_result()
+        return logs, current_values(scope, model.metrics_variables)
+
+    def predict_result(self, state, outputs):
+        return outputs, state[1]
+
+    # -- Keras's functions around the step ------------------------------------
+
+    def unpack_call(self, kind, args):
+        state, batches = args
+        return state, iter(batches)
+
+    def pack_call(self, kind, state, batches):
+        return state, batches
+
+    def step_result(self, result):
+        return result
+
+    def call_result(self, outputs, state):
+        return outputs, state
+
+    # -- Sizing, and redoing a batch ------------------------------------------
+
+    def batch_rows(self, batch):
+        # Each device splits its own rows (`split`).
+        return super().batch_rows(batch) // self.shards
+
+    def signature(self, batch):
+        # Every shape of batch is compiled, and so sized, on its own.
+        return tuple(
+            (tuple(leaf.shape), str(leaf.dtype))
+            for leaf in jax.tree_util.tree_leaves(batch)
+        )
+
+    def fresh(self, kind):
+        # Keras jits the model's bound `<kind>_step`, and `jax.jit` keeps
+        # traces by the function: a new jit of the same bound method would
+        # reuse the trace made at the old size. Keras is handed a new
+        # function for this one model's step instead (`jax.clear_caches()`
+        # would drop every compiled function in the process).
+        model = self.model
+        name = f"{kind}_step"
+        step = getattr(model, name)
+
+        def sized(state, data):
+            return step(state, data)
+
+        model.__dict__[name] = sized
+        try:
+            return super().fresh(kind)
+        finally:
+            del model.__dict__[name]
+
+    def is_out_of_memory(self, error):
+        return isinstance(error, jax.errors.JaxRuntimeError) and (
+            "RESOURCE_EXHAUSTED" in str(error)
+        )
+
+    def snapshot(self):
+        # The state is the step's argument, and no step changes it.
+        return None
+
+    def restore(self, kept, state, error):
+        if any(
+            getattr(leaf, "is_deleted", lambda: False)()
+            for leaf in jax.tree_util.tree_leaves(state)
+        ):
+            raise RuntimeError(
+                "The train step ran out of memory after XLA had taken its "
+                "state's buffers (the step donates them, as Keras's does): "
+                "the batch cannot be redone. Give a smaller "
+                "`micro_batch_size`, or `AutoMicroBatch(margin=...)` larger "
+                "than its default."
+            ) from error
+        return state
+
+    def give_up(self, state):
+        # Keras's `fit` keeps the state out of the variables while it runs
+        # and would leave them empty on the error.
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        optimizer = [*model.optimizer.variables, *model._window.variables]
+        pairs = [
+            *zip(model.trainable_variables, trainable, strict=True),
+            *zip(model.non_trainable_variables, non_trainable, strict=True),
+            *zip(optimizer, optimizer_and_window, strict=True),
+            *zip(model.metrics_variables, metrics, strict=True),
+        ]
+        for variable, value in pairs:
+            variable.assign(value)
+
+    def sizing_method(self):
+        return True, "XLA's compiled memory analysis"
+
+    def device_memory(self):
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]), f"{device}'s memory"
+        available = _sizing.host_available_memory()
+        if available is None:
+            raise ValueError(
+                '`micro_batch_size="auto"` could not read this device\'s '
+                "memory: give the bytes a step may use, "
+                "`micro_batch_size=keras_accum.AutoMicroBatch("
+                f"memory_limit=...)`. Received: micro_batch_size="
+                f"{self.setting!r} on {device}"
+            )
+        return available, "the host's available memory"
+
+    @contextlib.contextmanager
+    def probing(self, kind, batch, state):
+        """`measure(size)`: the peak XLA assigns the step of `kind` on
+        `batch` at that size: its arguments (the state, donated as Keras
+        donates them, and the batch), outputs not aliased to them, and
+        temporaries. Compiles; runs nothing."""
+        step = getattr(self.model, f"{kind}_step")
+        donate = () if kind == "predict" else (0,)
+
+        def measure(size):
+            set_size(size)
+
+            # A new function each time: `jax.jit` caches a trace by the
+            # function, and the size is read while tracing.
+            def sized(state, data):
+                return step(state, data)
+
+            try:
+                compiled = (
+                    jax.jit(sized, donate_argnums=donate)
+                    .lower(state, batch)
+                    .compile()
+                )
+            except Exception as error:
+                if self.is_out_of_memory(error):
+                    return None
+                raise
+            return _sizing.compiled_peak(compiled.memory_analysis())
+
+        with self.sizes_probed(kind) as set_size:
+            yield measure
+
+    # -- The whole-batch step -------------------------------------------------
+
+    def rows_of(self, x):
+        return _batch_ops.first_input(x).shape[0]
+
+    def device_count(self):
+        return self.shards
+
+    def seeds_start(self, state):
+        from keras_accum import _seeds
+
+        indices = _seeds.seed_state_indices(self.model)
+        return indices, _seeds.start_values(state[1], indices)
+
+    def _entered(self, non_trainable, start, i):
+        from keras_accum import _seeds
+
+        indices, values = start
+        return _seeds.entered_values(non_trainable, indices, values, i)
+
+    def forward_piece(self, state, x, start, i):
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = True
+        y_pred, non_trainable = model.stateless_call(
+            trainable, self._entered(non_trainable, start, i), x, **kwargs
+        )
+        y_pred = jax.lax.stop_gradient(y_pred)
+        return (trainable, non_trainable, optimizer_and_window, metrics), y_pred
+
+    def whole_loss(self, state, data, y_pred):
+        from keras_accum import _jax_output_grads
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        found, (non_trainable, metrics) = (
+            _jax_output_grads.stateless_loss_and_output_grads(
+                model, (trainable, non_trainable, metrics), data, y_pred
+            )
+        )
+        x, y, sample_weight = data
+        mapping = list(zip(model.metrics_variables, metrics, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            model.compute_metrics(x, y, y_pred, sample_weight)
+        metrics = current_values(scope, model.metrics_variables)
+        return (trainable, non_trainable, optimizer_and_window, metrics), found
+
+    def vjp_piece(self, state, x, output_grads, start, i, last):
+        from keras_accum import _jax_output_grads
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        found, non_trainable = _jax_output_grads.stateless_piece_vjp(
+            model,
+            trainable,
+            self._entered(non_trainable, start, i),
+            x,
+            output_grads,
+            _batch_ops._model_losses if last else None,
+        )
+        state = (trainable, non_trainable, optimizer_and_window, metrics)
+        return state, found.weights, found.extra
+
+    def add_piece(self, state, grads, share, count, closes):
+        from keras_accum import _jax_trainer, _window
+        from keras_accum._jax_ops import iterations_index
+
+        model = self.model
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        n = len(model.optimizer.variables)
+        optimizer_values = list(optimizer_and_window[:n])
+        window_state = model._window_for_step()
+        accumulators, counters = window_state.unpack(optimizer_and_window[n:])
+        backend = _jax_trainer._ops_class(window_state)(
+            accumulators, model.optimizer, trainable, optimizer_values
+        )
+        updates = optimizer_values[iterations_index(model.optimizer)]
+        counters, complete = _window.accumulate(
+            counters, backend, grads, share, model._plan(updates, count)
+        )
+        if closes:
+            counters, applied = _window.close(
+                counters,
+                backend,
+                complete,
+                _jax_trainer._jax_close_policy(model, backend),
+            )
+            non_trainable = _jax_trainer._run_close_hooks(
+                model, non_trainable, applied, complete
+            )
+        window = window_state.pack(backend.accumulators, counters)
+        return (
+            backend.trainable,
+            non_trainable,
+            [*backend.optimizer_values, *window],
+            metrics,
+        )
+
+    def seeds_finish(self, state, start, last_piece):
+        from keras_accum import _seeds
+
+        trainable, non_trainable, optimizer_and_window, metrics = state
+        indices, values = start
+        non_trainable = _seeds.finished_values(
+            non_trainable, indices, values, last_piece
+        )
+        return (trainable, non_trainable, optimizer_and_window, metrics)
+
+    def test_forward(self, state, x, keep_losses):
+        model = self.model
+        trainable, non_trainable, metrics = state
+        kwargs = {}
+        if _compat.call_takes_training(model):
+            kwargs["training"] = False
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        if keep_losses:
+            # The same trace as `whole_test`'s (never the loop's body).
+            self.kept_losses = losses
+        return (trainable, non_trainable, metrics), y_pred
+
+    def whole_test(self, state, data, y_pred):
+        model = self.model
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = data
+        losses = self.kept_losses
+        mapping = [
+            *zip(model.trainable_variables, trainable, strict=True),
+            *zip(model.non_trainable_variables, non_trainable, strict=True),
+            *zip(model.metrics_variables, metrics, strict=True),
+        ]
+        if losses:
+            _compat.override_losses(model, losses)
+        try:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                loss = _compat.compute_loss(
+                    model, x, y, y_pred, sample_weight, training=False
+                )
+                model.compute_metrics(x, y, y_pred, sample_weight)
+        finally:
+            if losses:
+                _compat.override_losses(model, None)
+        metrics = current_values(scope, model.metrics_variables)
+        return (trainable, non_trainable, metrics), loss
+
+
+def current_values(scope, variables):
+    """The values `scope` holds for `variables` (their own where unset)."""
+    values = []
+    for variable in variables:
+        value = scope.get_current_value(variable)
+        values.append(variable.value if value is None else value)
+    return values
+
+
+def _piece(t, start, size, shards=1):
+    """`size` rows from `start` (an int or a traced index) of array `t`;
+    with `shards` > 1, of each shard's rows (the batch seen as `shards`
+    blocks along its first axis), joined: what each device holds of the
+    batch, sliced where it is."""
+    if t is None:  # No sample weight (`train_on_batch(x, y)`).
+        return None
+    if isinstance(t, jax.experimental.sparse.BCOO):
+        return _sparse_piece(t, start, size)
+    if shards == 1:
+        return jax.lax.dynamic_slice_in_dim(t, start, size)
+    blocks = t.reshape((shards, t.shape[0] // shards, *t.shape[1:]))
+    piece = jax.lax.dynamic_slice_in_dim(blocks, start, size, axis=1)
+    return piece.reshape((shards * size, *t.shape[1:]))
+
+
+def _sparse_piece(t, start, size):
+    """`size` rows from `start` of a sparse batch (`BCOO`) on one device
+    (`split` refuses a sharded one): its stored elements outside them
+    dropped, as many kept (a shape XLA knows)."""
+    starts = (start,) + (0,) * (t.ndim - 1)
+    return jax.experimental.sparse.bcoo_dynamic_slice(
+        t, starts, (size, *t.shape[1:])
+    )
+
+
+def _joined(stacked, last, shards):
+    """The outputs of a split batch in its rows' order: `stacked`, the
+    loop's (one row per piece, each `_piece`'s rows), then `last`."""
+    if shards == 1:
+        return jax.numpy.concatenate(
+            [stacked.reshape((-1, *stacked.shape[2:])), last]
+        )
+    features = last.shape[1:]
+    # (pieces, devices, rows) to (devices, pieces, rows).
+    loop = stacked.reshape((stacked.shape[0], shards, -1, *features))
+    loop = jax.numpy.swapaxes(loop, 0, 1).reshape((shards, -1, *features))
+    tail = last.reshape((shards, -1, *features))
+    joined = jax.numpy.concatenate([loop, tail], axis=1)
+    return joined.reshape((-1, *features))

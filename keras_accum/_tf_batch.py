@@ -1,0 +1,400 @@
+"""TensorFlow's `BatchOps` (`_batch_ops.py`): a split batch in a graph step.
+
+The pieces run in a `tf.while_loop` of one iteration at a time (TensorFlow
+would otherwise start the next piece's forward pass, which reads only the
+weights, beside this one's, up to 10 at once); a piece is a `tf.slice` of
+every tensor (ragged and sparse ones by rows), each replica splitting its
+own part under `tf.distribute`. The batch's size may be known only when
+the step runs: the sizes are then scalar tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+from keras_accum import _batch_ops, _compat, _sizing
+from keras_accum._batch_ops import Looped, Split
+
+
+class TensorFlowBatchOps(_batch_ops.EagerStateOps):
+    """`BatchOps` of `TensorFlowAccumTrainer`."""
+
+    # -- The batch ------------------------------------------------------------
+
+    def split(self, data, size):
+        first = _batch_ops.first_input(data)
+        batch_size = first.shape[0]
+        if batch_size is None:  # Known when the step runs.
+            batch_size = tf.shape(first)[0]
+        count = _batch_ops.piece_count(batch_size, size)
+        full = tf.minimum(size, batch_size)
+        return Split(batch_size, batch_size, count, size, full)
+
+    def piece(self, tree, start, size):
+        return tf.nest.map_structure(lambda t: _sliced(t, start, size), tree)
+
+    def loop(self, count, body, carry, collect=None):
+        if isinstance(count, int) and count <= 0:
+            return Looped(carry, None, [])
+        arrays = None
+        if collect is not None:
+            arrays = [
+                tf.TensorArray(o.dtype, size=tf.maximum(count, 0))
+                for o in tf.nest.flatten(collect)
+            ]
+
+        def one(i, carry, arrays):
+            out = body(i, carry)
+            if collect is None:
+                return i + 1, out, arrays
+            carry, outputs = out
+            written = [
+                a.write(i, o)
+                for a, o in zip(arrays, tf.nest.flatten(outputs), strict=True)
+            ]
+            return i + 1, carry, written
+
+        done, carry, arrays = tf.while_loop(
+            lambda i, *_: i < count,
+            one,
+            (tf.constant(0), carry, arrays or []),
+            parallel_iterations=1,
+        )
+        return Looped(carry, None if collect is None else arrays, [done])
+
+    def after(self, done, tree):
+        done = [t for t in tf.nest.flatten(done) if tf.is_tensor(t)]
+        if not done:
+            return tree
+        with tf.control_dependencies(done):
+            return tf.nest.map_structure(_after_identity, tree)
+
+    def join(self, collected, last, split):
+        flat = tf.nest.flatten(last)
+        if collected is None:
+            return last
+
+        def joined():
+            found = []
+            for array, output in zip(collected, flat, strict=True):
+                stacked = tf.reshape(
+                    array.stack(), tf.concat([[-1], tf.shape(output)[1:]], 0)
+                )
+                found.append(tf.concat([stacked, output], 0))
+            return found
+
+        # An empty array has no shape to stack: a batch of one piece is it.
+        count = split.count
+        if isinstance(count, int):
+            outputs = joined() if count > 1 else flat
+        else:
+            outputs = tf.cond(count > 1, joined, lambda: flat)
+        return tf.nest.pack_sequence_as(last, outputs)
+
+    def rows_of(self, x):
+        return tf.shape(_batch_ops.first_input(x))[0]
+
+    def train_result(self, state, batch_size):
+        return self.model._logs_for_strategy(
+            super().train_result(state, batch_size)
+        )
+
+    def test_result(self, state, loss, batch_size):
+        return self.model._logs_for_strategy(
+            super().test_result(state, loss, batch_size)
+        )
+
+    # -- Keras's functions around the step ------------------------------------
+
+    def unpack_call(self, kind, args):
+        # Keras's train and test functions take an iterator, its predict
+        # function a list of batches.
+        (batches,) = args
+        return (), iter(batches)
+
+    def pack_call(self, kind, state, batches):
+        return (list(batches),) if kind == "predict" else (batches,)
+
+    # -- Sizing, and redoing a batch ------------------------------------------
+
+    def batch_rows(self, batch):
+        # A distributed batch: each replica splits its own part.
+        first = _batch_ops.first_input(batch)
+        local = self.model.distribute_strategy.experimental_local_results(first)
+        return int(local[0].shape[0])
+
+    def is_out_of_memory(self, error):
+        return isinstance(error, tf.errors.ResourceExhaustedError)
+
+    def can_redo(self):
+        # Another worker, its step whole, would wait in the next exchange.
+        return not multi_worker(self.model.distribute_strategy)
+
+    def snapshot(self):
+        cache = self.sizes.cache
+        window = self.model._window
+        if cache.get("window", False) is not window:
+            cache["window"] = window
+            parts = _parts(
+                self.model.distribute_strategy, self.written_variables()
+            )
+
+            # One call for every read (about 40 eager reads otherwise). A
+            # read keeps its value: a later write to the variable copies
+            # the buffer first (TensorFlow's copy-on-write).
+            @tf.function(autograph=False)
+            def read():
+                return [part.read_value() for part in parts]
+
+            cache["snapshot"] = (parts, read)
+        parts, read = cache["snapshot"]
+        return list(zip(parts, read(), strict=True))
+
+    def restore(self, kept, state, error):
+        for part, value in kept:
+            part.assign(value)
+        return state
+
+    def sizing_method(self):
+        exact = all(d == "CPU" for d, _ in self._replica_devices())
+        return exact, (
+            "TensorFlow's allocator peak over probe steps "
+            "(tf.config.experimental.get_memory_info)"
+        )
+
+    def device_memory(self):
+        kinds = {kind for kind, _ in self._replica_devices()}
+        if kinds == {"CPU"}:
+            available = _sizing.host_available_memory()
+            if available is not None:
+                return available, "the host's available memory"
+        else:
+            index = self._replica_devices()[0][1]
+            total = _sizing.nvidia_total_memory(index)
+            if total is not None:
+                return total, f"GPU:{index}'s total memory (NVML)"
+        raise ValueError(
+            '`micro_batch_size="auto"` could not read this device\'s '
+            "memory: give the bytes a step may use, "
+            "`micro_batch_size=keras_accum.AutoMicroBatch(memory_limit=...)`"
+            f". Received: micro_batch_size={self.setting!r} on "
+            f"{sorted(kinds)}"
+        )
+
+    def _replica_devices(self):
+        """`[(device type, index)]` of the devices the step runs on."""
+        try:
+            names = self.model.distribute_strategy.extended.worker_devices
+        except RuntimeError:  # The default strategy: the default device.
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            return [("GPU", 0)] if gpu else [("CPU", 0)]
+        found = []
+        for name in names:
+            spec = tf.DeviceSpec.from_string(name)
+            found.append((spec.device_type or "CPU", spec.device_index or 0))
+        return found
+
+    @contextlib.contextmanager
+    def probing(self, kind, batch, state):
+        """`measure(size)`: the peak, in bytes, of the step of `kind` run
+        on `batch` at that size (the largest of the replicas' devices; None
+        if it ran out of memory): this model's state and the batch, plus
+        what the step allocated above the memory in use when it started,
+        from the allocator's figures. Memory that other models in the
+        process hold is not the step's (JAX's compiled figures do not see
+        it either). Every variable the probes may change is copied to the
+        host first and restored after."""
+        model = self.model
+        strategy = model.distribute_strategy
+        if multi_worker(strategy):
+            # Each worker would measure its own devices and could trace a
+            # step of another size than the others: their exchanges of
+            # gradients would not match.
+            raise NotImplementedError(
+                '`micro_batch_size="auto"` does not run under '
+                "MultiWorkerMirroredStrategy: the workers would size their "
+                "steps apart. Give an int (the same on every worker). "
+                f"Received: micro_batch_size={self.setting!r}"
+            )
+        variables = [
+            *model.variables,
+            *model.optimizer.variables,
+            *model.metrics_variables,
+            *model._window.variables,
+        ]
+        parts = _parts(strategy, variables)
+        # Host copies: a view would keep the device's old buffer alive
+        # through the probes' updates and count it in their peaks.
+        kept = [np.array(part.numpy(), copy=True) for part in parts]
+        devices = sorted({f"{d}:{i}" for d, i in self._replica_devices()})
+        _check_allocator_figures(devices, self.setting)
+        # Each device holds its replica's copy of the state and its part
+        # of the batch.
+        held = sum(value.nbytes for value in kept) + _nbytes(batch, strategy)
+        held //= len(devices)
+        step = getattr(model, f"{kind}_step")
+
+        def measure(size):
+            set_size(size)
+
+            def probe(data):
+                return strategy.run(step, args=(data,))
+
+            if not model.run_eagerly:
+                # Traced as Keras traces its steps: without autograph.
+                probe = tf.function(
+                    probe,
+                    autograph=False,
+                    jit_compile=bool(model.jit_compile),
+                )
+            allocated = _allocator_peak(probe, batch, strategy, devices)
+            return None if allocated is None else held + allocated
+
+        # Each probe traces the step at its size, on purpose.
+        quiet = _RetracingFilter()
+        tf.get_logger().addFilter(quiet)
+        try:
+            with self.sizes_probed(kind) as set_size:
+                yield measure
+        finally:
+            tf.get_logger().removeFilter(quiet)
+            for part, value in zip(parts, kept, strict=True):
+                part.assign(value)
+
+    # -- The whole-batch step -------------------------------------------------
+
+    @property
+    def primitives(self):
+        from keras_accum import _tf_output_grads
+
+        return _tf_output_grads
+
+    def device_count(self):
+        return self.model.distribute_strategy.num_replicas_in_sync
+
+    def add_piece(self, state, grads, share, count, closes):
+        model = self.model
+        window = model._window_for_step()
+        model._life.none_grads = [g is None for g in grads]
+        # The window's counters wait for every gradient (as
+        # `_add_to_window` says why).
+        ready = [getattr(g, "values", g) for g in grads if g is not None]
+        ready.append(share.loss)
+        model._add_to_window(window, grads, share, ready, closes, count)
+        return state
+
+
+def multi_worker(strategy) -> bool:
+    """Whether `strategy` runs over several workers."""
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and _compat.in_multi_worker_mode(strategy)
+
+
+def _after_identity(t):
+    # Composite tensors (ragged, sparse) too.
+    return tf.identity(t) if tf.is_tensor(t) else t
+
+
+def _allocator_peak(probe, batch, strategy, devices):
+    """The most bytes `probe(batch)` allocated on one of `devices` above
+    what was in use when it started (the allocator's peak less its
+    current bytes then: other models' weights are no part of the step);
+    None if it ran out of memory. Run twice: the first run holds one-time
+    buffers (its trace's constants, kernels' caches); the second is every
+    step's."""
+    info = tf.config.experimental.get_memory_info
+    try:
+        for _ in range(2):
+            before = {}
+            for device in devices:
+                tf.config.experimental.reset_memory_stats(device)
+                before[device] = info(device)["current"]
+            tf.nest.map_structure(
+                lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                strategy.experimental_local_results(probe(batch)),
+            )
+    except tf.errors.ResourceExhaustedError:
+        return None
+    return max(info(device)["peak"] - before[device] for device in devices)
+
+
+def _check_allocator_figures(devices, setting) -> None:
+    """Refuses `"auto"` where TensorFlow's allocator keeps no figures (its
+    CPU allocator unless it is the BFC allocator), naming the fix."""
+    for device in devices:
+        try:
+            tf.config.experimental.get_memory_info(device)
+        except ValueError:
+            # "Allocator stats not available for device ...".
+            pass
+        else:
+            continue
+        raise ValueError(
+            '`micro_batch_size="auto"` measures the step with TensorFlow\'s '
+            f"allocator figures, and {device}'s allocator keeps none. On a "
+            "CPU, TensorFlow keeps them only with its BFC allocator: set "
+            "the environment variable `TF_CPU_ALLOCATOR_USE_BFC=true` "
+            "before TensorFlow is imported (e.g. "
+            '`os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"` before '
+            "`import keras`, or in the shell), or give an int "
+            "`micro_batch_size`. A `memory_limit` does not replace the "
+            f"figures. Received: micro_batch_size={setting!r} on {devices}"
+        )
+
+
+def _nbytes(data, strategy) -> int:
+    """The bytes of `data`'s tensors, every replica's part counted."""
+    total = 0
+    for leaf in tf.nest.flatten(data):
+        if leaf is None:
+            continue
+        for part in strategy.experimental_local_results(leaf):
+            if hasattr(part, "shape") and hasattr(part, "dtype"):
+                count = int(np.prod([d or 0 for d in tuple(part.shape)]))
+                total += count * tf.as_dtype(part.dtype).size
+    return total
+
+
+class _RetracingFilter(logging.Filter):
+    def filter(self, record) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+def _parts(strategy, variables) -> list:
+    """The `tf.Variable`s behind Keras `variables`: one per replica where
+    a strategy keeps copies."""
+    parts = []
+    for variable in variables:
+        parts.extend(strategy.experimental_local_results(variable.value))
+    return parts
+
+
+def _sliced(t, start, size):
+    """`size` rows from `start` of tensor `t` (`tf.slice`, whose size XLA
+    needs known when it compiles)."""
+    if t is None:
+        return None
+    if isinstance(t, tf.RaggedTensor):
+        # Rows of a ragged tensor: its row splits, sliced.
+        start_ = tf.cast(start, t.row_splits.dtype)
+        return t[start_ : start_ + tf.cast(size, t.row_splits.dtype)]
+    if isinstance(t, tf.SparseTensor):
+        rest = t.shape.rank - 1
+        begin = tf.stack([tf.cast(start, tf.int64)] + [0] * rest)
+        extent = tf.concat([[tf.cast(size, tf.int64)], t.dense_shape[1:]], 0)
+        sliced = tf.sparse.slice(t, begin, extent)
+        # Static shape for the layers (the batch dimension unknown).
+        return tf.SparseTensor(
+            sliced.indices,
+            sliced.values,
+            tf.ensure_shape(sliced.dense_shape, t.dense_shape.shape),
+        )
+    rest = t.shape.rank - 1
+    begin = tf.stack([tf.cast(start, tf.int32)] + [0] * rest)
+    extent = tf.stack([tf.cast(size, tf.int32)] + [-1] * rest)
+    return tf.slice(t, begin, extent)

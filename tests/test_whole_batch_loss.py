@@ -1,0 +1,363 @@
+"""`whole_batch_loss=True`: the loss sees the whole batch, its gradient
+carried back piece by piece (issue 52), equal to `keras.Model` at the
+batch for every case of `_contrastive`, on every backend."""
+
+import keras
+import numpy as np
+import pytest
+from _contrastive import CASES
+from _helpers import assert_same_weights, max_weight_diff
+from test_output_grads import one_pass
+
+import keras_accum
+
+B = 8
+UPDATES = 3
+
+
+def _optimizer(kind):
+    if kind == "adam":
+        return keras.optimizers.Adam(0.05)
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.3)
+    return keras.optimizers.SGD(0.3, momentum=0.9)
+
+
+def _build(
+    name, model_cls, dropout, optimizer="momentum", jit_compile="auto", **kwargs
+):
+    build, data, loss = CASES[name]
+    model = build(model_cls, dropout=dropout, **kwargs)
+    model.compile(
+        optimizer=_optimizer(optimizer), loss=loss, jit_compile=jit_compile
+    )
+    return model
+
+
+def _batches(name, weighted=False):
+    _, data, _ = CASES[name]
+    x, y = data(B * UPDATES)
+    weights = np.linspace(0.5, 1.5, B * UPDATES).astype("float32")
+    found = []
+    for i in range(UPDATES):
+        rows = slice(i * B, (i + 1) * B)
+        batch = [
+            keras.tree.map_structure(lambda t, r=rows: t[r], x),
+            None if y is None else y[rows],
+        ]
+        if weighted:
+            batch.append(weights[rows])
+        found.append(batch)
+    return found
+
+
+def _train_side_by_side(
+    name, dropout, optimizer, weighted=False, jit_compile="auto", **kwargs
+):
+    """Trains `keras.Model` and the whole-batch `AccumModel` on the same
+    batches, comparing the weights after every update; returns both, each
+    update's largest weight difference and the losses each logged."""
+    plain = _build(name, keras.Model, dropout, optimizer, jit_compile)
+    accum = _build(
+        name,
+        keras_accum.AccumModel,
+        dropout,
+        optimizer,
+        jit_compile,
+        whole_batch_loss=True,
+        **kwargs,
+    )
+    diffs, losses = [], []
+    for batch in _batches(name, weighted):
+        plain_loss = plain.train_on_batch(*batch)
+        accum_loss = accum.train_on_batch(*batch)
+        assert_same_weights(accum, plain.get_weights())
+        diffs.append(max_weight_diff(accum, plain))
+        losses.append((float(accum_loss), float(plain_loss)))
+    return accum, plain, diffs, losses
+
+
+# -- One piece: exactly `keras.Model`, dropout active -------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("name", ["clip", "dual_encoder"])
+def test_one_piece_with_dropout_equals_keras_model(name, optimizer):
+    # The pieces' forward passes twice each, their draws replayed: with
+    # one piece, the same masks as `keras.Model`'s single forward pass,
+    # and the generators left where it leaves them (the next update
+    # draws alike too).
+    accum, plain, diffs, losses = _train_side_by_side(
+        name, 0.3, optimizer, micro_batch_size=B
+    )
+    for accum_loss, plain_loss in losses:
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+    # The models trained: the comparison is not between two still models.
+    assert max_weight_diff(plain, _build(name, keras.Model, 0.3)) > 1e-3
+
+
+# -- Several pieces, an uneven last one ---------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pieces_without_dropout_equal_keras_model(name):
+    # 8 rows in pieces of 3, 3 and 2: every loss sees the batch's 8
+    # samples, where the split mode's pieces see 3 (test_in_batch_negatives).
+    _, _, _, losses = _train_side_by_side(
+        name, 0.0, "momentum", micro_batch_size=3
+    )
+    for accum_loss, plain_loss in losses:
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="XLA is TensorFlow's option (JAX's steps are always compiled)",
+)
+@pytest.mark.parametrize("name", ["clip", "dual_encoder"])
+def test_pieces_under_xla_equal_keras_model(name):
+    _, _, _, losses = _train_side_by_side(
+        name, 0.0, "momentum", jit_compile=True, micro_batch_size=3
+    )
+    for accum_loss, plain_loss in losses:
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["clip", "two_tower"])
+def test_pieces_with_sample_weights_equal_keras_model(name):
+    _train_side_by_side(name, 0.0, "adam", weighted=True, micro_batch_size=3)
+
+
+def test_pieces_with_dropout_equal_the_one_pass_gradient():
+    # With dropout and 3 pieces each piece draws from its own stream
+    # (`_seeds`): the update is the one-pass gradient of the loss through
+    # the same pieces' forward passes with those draws.
+    bounds = [(0, 3), (3, 6), (6, 8)]
+    reference = _build("clip", keras.Model, 0.3, "sgd")
+    x, y = _batches("clip")[0]
+    _, grads = one_pass(reference, x, y, None, bounds)
+    before = reference.get_weights()
+    expected = [w - 0.3 * g for w, g in zip(before, grads, strict=True)]
+    accum = _build(
+        "clip",
+        keras_accum.AccumModel,
+        0.3,
+        "sgd",
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    accum.train_on_batch(x, y)
+    assert_same_weights(accum, expected)
+    # The draws matter: without them replayed, or with the batch's
+    # masks, the update would be another.
+    assert max_weight_diff(accum, before) > 1e-3
+
+
+# -- Refused, loudly ----------------------------------------------------------
+
+
+def test_batch_normalization_is_refused_naming_the_layer():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization(name="bn")(
+        keras.layers.Dense(3)(inputs)
+    )
+    model = keras_accum.AccumModel(
+        inputs, hidden, micro_batch_size=2, whole_batch_loss=True
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 4), "float32")
+    with pytest.raises(ValueError, match=r"`bn` \(BatchNormalization\)"):
+        model.fit(x, x[:, :3], batch_size=4, verbose=0)
+
+
+def test_whole_batch_loss_must_be_a_bool():
+    inputs = keras.Input((4,))
+    with pytest.raises(TypeError, match="whole_batch_loss=1"):
+        keras_accum.AccumModel(
+            inputs, inputs, micro_batch_size=2, whole_batch_loss=1
+        )
+
+
+def test_auto_sizes_are_refused():
+    # Not built yet: the sizing would not count the cached outputs.
+    with pytest.raises(ValueError, match="size its pieces automatically"):
+        _build(
+            "supcon",
+            keras_accum.AccumModel,
+            0.0,
+            micro_batch_size="auto",
+            whole_batch_loss=True,
+        )
+
+
+def test_the_setting_round_trips_through_the_config():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    copy = keras_accum.AccumModel.from_config(model.get_config())
+    assert copy.whole_batch_loss is True
+    assert copy.micro_batch_size == 3
+    model.whole_batch_loss = False
+    assert model.whole_batch_loss is False
+
+
+def _regularized(model_cls, activity=False, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        5,
+        activation="tanh",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=(
+            keras.regularizers.L2(0.01) if activity else None
+        ),
+    )(inputs)
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(hidden))
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=_optimizer("momentum"), loss=CASES["supcon"][2])
+    return model
+
+
+def test_weight_regularization_is_counted_once_per_batch():
+    plain = _regularized(keras.Model)
+    accum = _regularized(
+        keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+    )
+    for x, y in _batches("supcon"):
+        plain_loss = plain.train_on_batch(x, y)
+        accum_loss = accum.train_on_batch(x, y)
+        assert_same_weights(accum, plain.get_weights())
+        # The logged loss carries the regularization, once.
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+def test_activity_regularization_is_refused():
+    model = _regularized(
+        keras_accum.AccumModel,
+        activity=True,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match="activity_regularizer"):
+        model.train_on_batch(x, y)
+
+
+def test_loss_scaling_is_refused():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        loss=CASES["supcon"][2],
+    )
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match="loss scaling"):
+        model.train_on_batch(x, y)
+
+
+@pytest.mark.parametrize("name", ["clip", "two_tower", "regularized"])
+def test_evaluate_computes_the_loss_on_the_whole_batch(name):
+    if name == "regularized":
+        plain = _regularized(keras.Model)
+        accum = _regularized(
+            keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+        )
+        x, y = CASES["supcon"][1](B * UPDATES)
+    else:
+        plain = _build(name, keras.Model, 0.1)
+        accum = _build(
+            name,
+            keras_accum.AccumModel,
+            0.1,
+            micro_batch_size=3,
+            whole_batch_loss=True,
+        )
+        x, y = CASES[name][1](B * UPDATES)
+    expected = plain.evaluate(x, y, batch_size=B, verbose=0)
+    found = accum.evaluate(x, y, batch_size=B, verbose=0)
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+    # The split mode's pieces would see 3 samples each: another loss.
+    accum.whole_batch_loss = False
+    split = accum.evaluate(x, y, batch_size=B, verbose=0)
+    assert abs(split - expected) > 1e-3 * abs(expected)
+
+
+def _unseeded(model_cls, **kwargs):
+    # A `Dropout` without a seed: on PyTorch it draws from torch's global
+    # generator, which no Keras `SeedGenerator` holds (`_seeds`).
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dropout(0.3)(hidden)
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(hidden))
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=_optimizer("sgd"), loss=CASES["supcon"][2])
+    return model
+
+
+def test_one_piece_with_unseeded_dropout_equals_keras_model():
+    plain = _unseeded(keras.Model)
+    accum = _unseeded(
+        keras_accum.AccumModel, micro_batch_size=B, whole_batch_loss=True
+    )
+    for i, (x, y) in enumerate(_batches("supcon")):
+        # The same global state before each model's step.
+        keras.utils.set_random_seed(100 + i)
+        plain.train_on_batch(x, y)
+        keras.utils.set_random_seed(100 + i)
+        accum.train_on_batch(x, y)
+        assert_same_weights(accum, plain.get_weights())
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="torch's global generator is PyTorch's (elsewhere a Keras "
+    "SeedGenerator draws, as test_pieces_with_dropout_equal_the_one_pass"
+    "_gradient tests)",
+)
+def test_pieces_with_torch_global_draws_equal_the_one_pass_gradient():
+    # Pass 1 runs the last piece first (its outputs give the loop's their
+    # structure), then the others in order; pass 2 enters each piece at
+    # the global state pass 1 entered it at. The reference draws in pass
+    # 1's order, and its loss (a mean over anchors, each against the
+    # whole batch) does not depend on the rows' order.
+    bounds = [(6, 8), (0, 3), (3, 6)]
+    order = np.concatenate([np.arange(a, b) for a, b in bounds])
+    x, y = _batches("supcon")[0]
+    reference = _unseeded(keras.Model)
+    keras.utils.set_random_seed(7)
+    _, grads = one_pass(
+        reference, x[order], y[order], None, [(0, 2), (2, 5), (5, 8)]
+    )
+    expected = [
+        w - 0.3 * g for w, g in zip(reference.get_weights(), grads, strict=True)
+    ]
+    accum = _unseeded(
+        keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
+    )
+    keras.utils.set_random_seed(7)
+    accum.train_on_batch(x, y)
+    assert_same_weights(accum, expected)
+
+
+def test_the_noise_scale_is_refused():
+    model = _build(
+        "supcon",
+        keras_accum.AccumModel,
+        0.0,
+        micro_batch_size=3,
+        whole_batch_loss=True,
+    )
+    x, y = _batches("supcon")[0]
+    logger = keras_accum.PseudoBatchLogger(noise_scale=True)
+    with pytest.raises(NotImplementedError, match="noise scale"):
+        model.fit(x, y, batch_size=B, callbacks=[logger], verbose=0)
