@@ -298,35 +298,9 @@ class AccumTrainer:
         if variables is None:
             variables = self.trainable_weights
         if self._life.refs != [id(v) for v in variables]:
-            raise ValueError(self._changed_weights_message())
+            raise ValueError(changed_weights_message(self))
         self._life.stepped = True
         return self._window
-
-    def _changed_weights_message(self) -> str:
-        before = set(self._life.refs)
-        now = {id(v): v for v in self.trainable_weights}
-        added = [v.path for key, v in now.items() if key not in before]
-        removed = len(before - set(now))
-        unbuilt = [
-            layer.name
-            for layer in _compat.sublayers(self)
-            if layer.built and id(layer) in self._life.unbuilt
-        ]
-        message = (
-            "The model's trainable weights changed since the accumulators "
-            f"were created ({len(added)} added: {added}; {removed} removed)."
-        )
-        if unbuilt:
-            return message + (
-                f" Layer(s) {unbuilt} were built after training started, "
-                "outside the model's forward pass; build them before `fit` "
-                "(e.g. call them on a batch), or do not hold them in the "
-                "model."
-            )
-        return message + (
-            " Call `compile()` again after changing `trainable`, as Keras "
-            "requires."
-        )
 
     def _steps_for_now(self) -> int | None:
         """The window length the configuration gives now, if static (not
@@ -808,6 +782,34 @@ def set_epoch(model, epoch, starts: bool = False) -> None:
         model._window.counters.epoch_step.assign(0)
     if starts:
         model._assign_target_length()
+
+
+def changed_weights_message(model) -> str:
+    """Why the step refuses `model`: its trainable weights are not those
+    the accumulators were made for."""
+    before = set(model._life.refs)
+    now = {id(v): v for v in model.trainable_weights}
+    added = [v.path for key, v in now.items() if key not in before]
+    removed = len(before - set(now))
+    unbuilt = [
+        layer.name
+        for layer in _compat.sublayers(model)
+        if layer.built and id(layer) in model._life.unbuilt
+    ]
+    message = (
+        "The model's trainable weights changed since the accumulators "
+        f"were created ({len(added)} added: {added}; {removed} removed)."
+    )
+    if unbuilt:
+        return message + (
+            f" Layer(s) {unbuilt} were built after training started, "
+            "outside the model's forward pass; build them before `fit` "
+            "(e.g. call them on a batch), or do not hold them in the "
+            "model."
+        )
+    return message + (
+        " Call `compile()` again after changing `trainable`, as Keras requires."
+    )
 
 
 def forward_layers(model) -> list:

@@ -771,3 +771,33 @@ def test_whole_batch_loss_needs_micro_batch_size_at_every_way_in(way):
             ).micro_batch_size = None
         else:
             AccumModel.from_config(_functional_config(whole_batch_loss=True))
+
+
+def test_changed_trainable_weights_without_a_recompile_are_refused():
+    """Unfreezing a layer after `fit` without `compile()` would train
+    weights the accumulators were not made for: refused, naming them,
+    where the step reads the trainable weights anew (JAX, PyTorch)."""
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, name="hidden")
+    hidden.trainable = False
+    outputs = keras.layers.Dense(1)(hidden(inputs))
+    model = AccumModel(inputs, outputs, accum_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    hidden.trainable = True
+    if keras.backend.backend() == "tensorflow":
+        # Keras's TensorFlow step keeps the weights it was traced with
+        # until `compile()`, as a plain model's does: nothing to refuse,
+        # and the unfrozen layer stays as it was.
+        kernel = keras.ops.convert_to_numpy(hidden.kernel)
+        model.fit(x, y, batch_size=2, verbose=0)
+        np.testing.assert_array_equal(hidden.kernel.numpy(), kernel)
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"trainable weights changed since the accumulators were "
+        r"created \(2 added: \['hidden/kernel', 'hidden/bias'\]; 0 removed\)"
+        r"\. Call `compile\(\)` again",
+    ):
+        model.fit(x, y, batch_size=2, verbose=0)
