@@ -89,14 +89,6 @@ DEFAULT_DATA = os.path.join(
     "mnist.npz",
 )
 
-# The large-batch run. Until `whole_batch_loss` lands it is a plain
-# `keras.Model` at batch 1024; with it, the same run on a device that holds
-# only 64 samples' activations is
-#     keras_accum.AccumModel(
-#         inputs, outputs, micro_batch_size=MICRO_BATCH, whole_batch_loss=True
-#     )
-# fed at batch 1024 (it trains exactly as the `keras.Model` below).
-WHOLE_BATCH_LOSS = False
 
 
 def parse_args(argv=None):
@@ -106,7 +98,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--runs",
         default="A,B",
-        help="comma-separated: A (batch 1024), B (64 x 16 accumulation), "
+        help="comma-separated: A (batch 1024, whole_batch_loss), K (batch "
+        "1024, keras.Model), B (64 x 16 accumulation), "
         "C (batch 64, 16x the updates); default A,B",
     )
     parser.add_argument(
@@ -215,7 +208,8 @@ def build(model_cls, seed, args, **kwargs):
 # -- Runs ---------------------------------------------------------------------
 
 RUNS = {
-    "A": "batch 1024 (whole batch's negatives)",
+    "A": "batch 1024 by 64 at a time (whole_batch_loss)",
+    "K": "batch 1024, keras.Model",
     "B": "accumulation 64 x 16 (63 negatives)",
     "C": "batch 64, 16x the updates",
 }
@@ -223,11 +217,14 @@ RUNS = {
 
 def train_and_score(run, seed, data, args):
     x_train, x_test = data
-    if run == "A" and WHOLE_BATCH_LOSS:
+    if run == "A":
+        # The batch of 1024 in one step, its loss on the whole batch; the
+        # device holds 64 samples' activations at a time.
         model_cls = keras_accum.AccumModel
         kwargs = {"micro_batch_size": MICRO_BATCH, "whole_batch_loss": True}
         batch, per_update = BATCH, BATCH
-    elif run == "A":
+    elif run == "K":
+        # What A must equal: a plain model at batch 1024.
         model_cls, kwargs = keras.Model, {}
         batch, per_update = BATCH, BATCH
     elif run == "B":
