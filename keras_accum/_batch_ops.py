@@ -138,7 +138,8 @@ class BatchOps(Protocol):
         ...
 
     def after(self, done, tree):
-        """`tree`, read only after the loop that returned `done`."""
+        """`tree`, its pieces read only after `done` (a loop's, or any
+        tree of arrays); for `piece` only."""
         ...
 
     def join(self, collected, last, split: Split):

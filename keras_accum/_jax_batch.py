@@ -6,6 +6,15 @@ are kept), carrying the step's state values; a piece is a
 splits its own rows (the batch's shards along the batch axis): a piece
 takes as many rows from every device and stays where its rows are. Every
 shape of batch is compiled, and so sized, on its own.
+
+The loop's structure, measured on XLA:CPU (a small CNN, 8 pieces of 32,
+CPU time per sample against the classic mode's, and the compiled step's
+temporaries in units of the trainable weights' size P): `fori_loop` 5.8x,
+382 P (the classic step: 206 P); `fori_loop(unroll=2)` 5.4x, 733 P;
+`scan` 5.9x, 382 P; a Python loop (unrolled in the trace) 1.6x, 1434 P.
+XLA:CPU runs a loop's body far slower than the same ops unrolled, but only
+a loop keeps one piece's activations at a time, which is what the split
+mode is for: `fori_loop` it is.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -35,6 +36,9 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
         return Split(batch_size, batch_size, count, size, full)
 
     def piece(self, tree, start, size):
+        if isinstance(tree, _After):
+            with tf.control_dependencies(tree.done):
+                return self.piece(tree.tree, start, size)
         return tf.nest.map_structure(lambda t: _sliced(t, start, size), tree)
 
     def loop(self, count, body, carry, collect=None):
@@ -68,10 +72,8 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
 
     def after(self, done, tree):
         done = [t for t in tf.nest.flatten(done) if tf.is_tensor(t)]
-        if not done:
-            return tree
-        with tf.control_dependencies(done):
-            return tf.nest.map_structure(_after_identity, tree)
+        # The slices of `tree` wait for `done`, not copies of it.
+        return _After(tree, done) if done else tree
 
     def join(self, collected, last, split):
         flat = tf.nest.flatten(last)
@@ -295,9 +297,11 @@ def multi_worker(strategy) -> bool:
     ) and _compat.in_multi_worker_mode(strategy)
 
 
-def _after_identity(t):
-    # Composite tensors (ragged, sparse) too.
-    return tf.identity(t) if tf.is_tensor(t) else t
+class _After(NamedTuple):
+    """A tree whose pieces are sliced after `done` (`after`)."""
+
+    tree: Any
+    done: list
 
 
 def _allocator_peak(probe, batch, strategy, devices):
