@@ -90,7 +90,6 @@ DEFAULT_DATA = os.path.join(
 )
 
 
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
