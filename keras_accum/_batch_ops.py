@@ -433,7 +433,9 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
         )
 
     looped = batch_ops.loop(split.count - 1, backward, state)
-    rest, output_grads = batch_ops.after(looped.done, (x, output_grads))
+    # `after` gives what only `piece` reads: one for each tree.
+    rest = batch_ops.after(looped.done, x)
+    output_grads = batch_ops.after(looped.done, output_grads)
     last_x = batch_ops.piece(rest, split.last_start, split.last_rows)
     last_grads = batch_ops.piece(
         output_grads, split.last_start, split.last_rows
@@ -702,7 +704,7 @@ class EagerStateOps(BaseBatchOps):
     def vjp_piece(self, state, x, output_grads, start, i, last):
         replay, values = start
         replay.enter(values, i)
-        extra_loss = _model_losses if last else None
+        extra_loss = model_losses(self.model) if last else None
         found = self.primitives.piece_vjp(
             self.model, x, output_grads, extra_loss
         )
@@ -727,6 +729,32 @@ class EagerStateOps(BaseBatchOps):
         )
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return state, _compat.unscale_loss_for_distribution(loss)
+
+
+def model_losses(model) -> Callable:
+    """`extra_loss(y_pred, losses)` of the last piece's forward pass: the
+    model's own losses, added as `keras.Model` adds them to its loss.
+
+    Weight regularization is the batch's whatever the piece. A loss that
+    `call` adds from the data (`add_loss`) would be the last piece's only:
+    refused, as activity regularizers are (`check_whole_batch`)."""
+    regularized = sum(
+        1 for v in model.trainable_weights if getattr(v, "regularizer", None)
+    )
+
+    def extra_loss(y_pred, losses):
+        if len(losses) > regularized:
+            raise NotImplementedError(
+                "`whole_batch_loss=True` does not yet count losses that the "
+                "model's forward pass adds from its data (`add_loss` in "
+                f"`call`: {len(losses) - regularized} of them), which each "
+                "piece would add for its own rows only: compute them in "
+                "`compute_loss` from the batch's outputs, or train without "
+                "`whole_batch_loss`. Received: whole_batch_loss=True"
+            )
+        return _model_losses(y_pred, losses)
+
+    return extra_loss
 
 
 def _model_losses(y_pred, losses):

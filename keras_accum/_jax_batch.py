@@ -358,7 +358,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
             self._entered(non_trainable, start, i),
             x,
             output_grads,
-            _batch_ops._model_losses if last else None,
+            _batch_ops.model_losses(model) if last else None,
         )
         state = (trainable, non_trainable, optimizer_and_window, metrics)
         return state, found.weights, found.extra

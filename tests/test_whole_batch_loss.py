@@ -247,6 +247,28 @@ def test_activity_regularization_is_refused():
         model.train_on_batch(x, y)
 
 
+class _AddsLoss(keras.layers.Layer):
+    """Adds a loss of its inputs in `call`: each piece's would be its own."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def test_a_loss_added_from_the_data_is_refused():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = _AddsLoss()(keras.layers.Dense(5, activation="tanh")(inputs))
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(4)(hidden))
+    model = keras_accum.AccumModel(
+        inputs, outputs, micro_batch_size=3, whole_batch_loss=True
+    )
+    model.compile(optimizer=_optimizer("momentum"), loss=CASES["supcon"][2])
+    x, y = _batches("supcon")[0]
+    with pytest.raises(NotImplementedError, match=r"`add_loss` in `call`: 1"):
+        model.train_on_batch(x, y)
+
+
 def test_loss_scaling_is_refused():
     model = _build(
         "supcon",
