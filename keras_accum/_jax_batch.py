@@ -25,7 +25,7 @@ import jax
 import jax.experimental.sparse
 import keras
 
-from keras_accum import _batch_ops, _compat, _jax_devices, _sizing
+from keras_accum import _batch_ops, _compat, _jax_devices, _jax_ops, _sizing
 from keras_accum._batch_ops import Looped, Split
 
 
@@ -139,17 +139,17 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         trainable, non_trainable, optimizer_and_window, metrics = state
         count = len(model.optimizer.variables)
         _, counters = model._window.unpack(optimizer_and_window[count:])
-        logs, metrics = self._tracked(
+        logs, metrics = self._tracked_logs(
             metrics, _batch_ops.batch_loss(counters), batch_size
         )
         return logs, (trainable, non_trainable, optimizer_and_window, metrics)
 
     def test_result(self, state, loss, batch_size):
         trainable, non_trainable, metrics = state
-        logs, metrics = self._tracked(metrics, loss, batch_size)
+        logs, metrics = self._tracked_logs(metrics, loss, batch_size)
         return logs, (trainable, non_trainable, metrics)
 
-    def _tracked(self, metrics, loss, batch_size):
+    def _tracked_logs(self, metrics, loss, batch_size):
         """`(logs, metrics)` with `loss` in the running mean `fit` logs,
         once for the batch, as `keras.Model` adds it."""
         model = self.model
@@ -364,7 +364,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         return state, found.weights, found.extra
 
     def add_piece(self, state, grads, share, count, closes):
-        from keras_accum import _jax_trainer, _window
+        from keras_accum import _window
         from keras_accum._jax_ops import iterations_index
 
         model = self.model
@@ -373,7 +373,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         optimizer_values = list(optimizer_and_window[:n])
         window_state = model._window_for_step()
         accumulators, counters = window_state.unpack(optimizer_and_window[n:])
-        backend = _jax_trainer._ops_class(window_state)(
+        backend = _jax_devices.ops_class(window_state)(
             accumulators, model.optimizer, trainable, optimizer_values
         )
         updates = optimizer_values[iterations_index(model.optimizer)]
@@ -385,9 +385,9 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
                 counters,
                 backend,
                 complete,
-                _jax_trainer._jax_close_policy(model, backend),
+                _jax_ops.close_policy(model, backend),
             )
-            non_trainable = _jax_trainer._run_close_hooks(
+            non_trainable = _jax_ops.run_close_hooks(
                 model, non_trainable, applied, complete
             )
         window = window_state.pack(backend.accumulators, counters)

@@ -349,3 +349,12 @@ class PartialSumOps(JaxOps):
 def _squares_of_sums(values):
     # Over the devices first: the square of the sum, not the sum of squares.
     return _window.sum_of_squares([v.sum(axis=0) for v in values])
+
+
+def ops_class(window_state):
+    """The window's `WindowOps`: each device's partial sums under a
+    `keras.distribution` that splits the batch (`_jax_devices`), else the
+    one-device values."""
+    if window_state.partial_sums:
+        return PartialSumOps
+    return JaxOps

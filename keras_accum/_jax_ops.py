@@ -144,3 +144,32 @@ def iterations_index(optimizer):
         for i, variable in enumerate(optimizer.variables)
         if variable is optimizer.iterations
     )
+
+
+def close_policy(model, backend):
+    """The model's `ClosePolicy`, the loss scale read from the optimizer's
+    values in `backend` (a stateless step's)."""
+    mapping = list(
+        zip(model.optimizer.variables, backend.optimizer_values, strict=True)
+    )
+    with keras.StatelessScope(state_mapping=mapping):
+        loss_scale = model.optimizer.scale_loss(keras.ops.ones((), "float32"))
+    return model._close_policy(loss_scale)
+
+
+def run_close_hooks(model, non_trainable, applied, closing):
+    """Runs the window's close hooks on the model's non-trainable values.
+
+    Returns:
+        The new non-trainable values.
+    """
+    hooks = model._window.close_hooks
+    if not hooks:
+        return non_trainable
+    mapping = list(
+        zip(model.non_trainable_variables, non_trainable, strict=True)
+    )
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        for hook in hooks:
+            hook(applied, closing)
+    return [scope.get_current_value(v) for v in model.non_trainable_variables]

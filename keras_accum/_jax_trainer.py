@@ -27,7 +27,11 @@ import keras
 
 from keras_accum import _batch_ops, _compat, _jax_devices, _window
 from keras_accum._jax_batch import JaxBatchOps, current_values
-from keras_accum._jax_ops import JaxOps, iterations_index
+from keras_accum._jax_ops import (
+    close_policy,
+    iterations_index,
+    run_close_hooks,
+)
 from keras_accum._trainer import AccumTrainer
 
 
@@ -175,7 +179,7 @@ class JaxAccumTrainer(AccumTrainer):
         non_trainable, metrics = out.non_trainable, out.metrics
 
         # Apply: into the window, and the window once it is complete.
-        backend = _ops_class(window_state)(
+        backend = _jax_devices.ops_class(window_state)(
             accumulators, self.optimizer, trainable, optimizer_values
         )
         updates = optimizer_values[iterations_index(self.optimizer)]
@@ -184,9 +188,9 @@ class JaxAccumTrainer(AccumTrainer):
         )
         if closes:
             counters, applied = _window.close(
-                counters, backend, complete, _jax_close_policy(self, backend)
+                counters, backend, complete, close_policy(self, backend)
             )
-            non_trainable = _run_close_hooks(
+            non_trainable = run_close_hooks(
                 self, non_trainable, applied, complete
             )
 
@@ -280,13 +284,13 @@ class JaxAccumTrainer(AccumTrainer):
         def flush_step(trainable, non_trainable, optimizer_values, values):
             accumulators, counters = window_state.unpack(values)
             closing = counters.mini_step > 0
-            backend = _ops_class(window_state)(
+            backend = _jax_devices.ops_class(window_state)(
                 accumulators, optimizer, trainable, optimizer_values
             )
             counters, applied = _window.close(
-                counters, backend, closing, _jax_close_policy(self, backend)
+                counters, backend, closing, close_policy(self, backend)
             )
-            non_trainable = _run_close_hooks(
+            non_trainable = run_close_hooks(
                 self, non_trainable, applied, closing
             )
             return (
@@ -326,33 +330,6 @@ def _device_loss(model, loss, share, device):
     # A sum: with the regularization on the first device only.
     regularization = model._regularization_loss(loss.dtype)
     return loss - keras.ops.cast(device != 0, loss.dtype) * regularization
-
-
-def _jax_close_policy(model, backend):
-    mapping = list(
-        zip(model.optimizer.variables, backend.optimizer_values, strict=True)
-    )
-    with keras.StatelessScope(state_mapping=mapping):
-        loss_scale = model.optimizer.scale_loss(keras.ops.ones((), "float32"))
-    return model._close_policy(loss_scale)
-
-
-def _run_close_hooks(model, non_trainable, applied, closing):
-    """Runs the window's close hooks on the model's non-trainable values.
-
-    Returns:
-        The new non-trainable values.
-    """
-    hooks = model._window.close_hooks
-    if not hooks:
-        return non_trainable
-    mapping = list(
-        zip(model.non_trainable_variables, non_trainable, strict=True)
-    )
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        for hook in hooks:
-            hook(applied, closing)
-    return [scope.get_current_value(v) for v in model.non_trainable_variables]
 
 
 def _reduced_gradients(model, trainable, values, data):
@@ -417,12 +394,3 @@ class _StepValues(NamedTuple):
     counters: _window.Counters
     device: Any = None
     length: Any = None
-
-
-def _ops_class(window_state):
-    """The window's `WindowOps`: each device's partial sums under a
-    `keras.distribution` that splits the batch (`_jax_devices`), else the
-    one-device values."""
-    if window_state.partial_sums:
-        return _jax_devices.PartialSumOps
-    return JaxOps

@@ -102,8 +102,8 @@ def _weighting_error(monkeypatch):
     a mean of micro-batch means, wrong only for the short micro-batch."""
     averaged = AccumTrainer._averaged_objective
 
-    def mean_of_means(self, loss, normalizer, batch_size):
-        objective, share = averaged(self, loss, normalizer, batch_size)
+    def mean_of_means(self, loss, normalizer, batch_size, *args):
+        objective, share = averaged(self, loss, normalizer, batch_size, *args)
         full = ops.cast(B, objective.dtype) / ops.cast(
             normalizer, objective.dtype
         )
