@@ -405,7 +405,7 @@ def _backend_ops(accumulators):
     ]
     backend = keras.backend.backend()
     if backend == "jax":
-        from keras_accum._jax_trainer import JaxOps
+        from keras_accum._jax_ops import JaxOps
 
         values = [ops.convert_to_tensor(a, "float32") for a in accumulators]
         return JaxOps(values, None, [w.value for w in weights], [])
