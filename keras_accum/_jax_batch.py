@@ -100,26 +100,16 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         y_pred, non_trainable, losses = model.stateless_call(
             trainable, non_trainable, x, return_losses=True, **kwargs
         )
-        mapping = [
-            *zip(model.trainable_variables, trainable, strict=True),
-            *zip(model.non_trainable_variables, non_trainable, strict=True),
-            *zip(model.metrics_variables, metrics, strict=True),
-        ]
-        if losses:
-            _compat.override_losses(model, losses)
-        try:
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                loss = _compat.compute_loss(
-                    model, x, y, y_pred, sample_weight, training=False
-                )
-                rows = _batch_ops.first_input(x).shape[0]
-                part = _batch_ops.evaluated_piece(
-                    model, loss, y_pred, sample_weight, rows
-                )
-                model.compute_metrics(x, y, y_pred, sample_weight)
-        finally:
-            if losses:
-                _compat.override_losses(model, None)
+        state = (trainable, non_trainable, metrics)
+        with _evaluation_scope(model, state, losses) as scope:
+            loss = _compat.compute_loss(
+                model, x, y, y_pred, sample_weight, training=False
+            )
+            rows = _batch_ops.first_input(x).shape[0]
+            part = _batch_ops.evaluated_piece(
+                model, loss, y_pred, sample_weight, rows
+            )
+            model.compute_metrics(x, y, y_pred, sample_weight)
         metrics = current_values(scope, model.metrics_variables)
         return (trainable, non_trainable, metrics), part
 
@@ -426,25 +416,33 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         model = self.model
         trainable, non_trainable, metrics = state
         x, y, sample_weight = data
-        losses = self.kept_losses
-        mapping = [
-            *zip(model.trainable_variables, trainable, strict=True),
-            *zip(model.non_trainable_variables, non_trainable, strict=True),
-            *zip(model.metrics_variables, metrics, strict=True),
-        ]
-        if losses:
-            _compat.override_losses(model, losses)
-        try:
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                loss = _compat.compute_loss(
-                    model, x, y, y_pred, sample_weight, training=False
-                )
-                model.compute_metrics(x, y, y_pred, sample_weight)
-        finally:
-            if losses:
-                _compat.override_losses(model, None)
+        with _evaluation_scope(model, state, self.kept_losses) as scope:
+            loss = _compat.compute_loss(
+                model, x, y, y_pred, sample_weight, training=False
+            )
+            model.compute_metrics(x, y, y_pred, sample_weight)
         metrics = current_values(scope, model.metrics_variables)
         return (trainable, non_trainable, metrics), loss
+
+
+@contextlib.contextmanager
+def _evaluation_scope(model, state, losses):
+    """A stateless scope over `state`'s values (trainable, non-trainable,
+    metrics), `model.losses` reading `losses` (a forward pass's) inside."""
+    trainable, non_trainable, metrics = state
+    mapping = [
+        *zip(model.trainable_variables, trainable, strict=True),
+        *zip(model.non_trainable_variables, non_trainable, strict=True),
+        *zip(model.metrics_variables, metrics, strict=True),
+    ]
+    if losses:
+        _compat.override_losses(model, losses)
+    try:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            yield scope
+    finally:
+        if losses:
+            _compat.override_losses(model, None)
 
 
 def current_values(scope, variables):
