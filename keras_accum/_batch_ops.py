@@ -224,6 +224,19 @@ class BatchOps(Protocol):
         """The devices the step's batch is split over."""
         ...
 
+    def unsupported_devices(self) -> str | None:
+        """Where the devices are laid out in a way the whole-batch step
+        does not make exact: what they are, for the error (e.g. "under
+        MultiWorkerMirroredStrategy over 2 workers"); None where it
+        does."""
+        ...
+
+    def global_rows(self, rows):
+        """The rows of the batch over every device, from `rows` (a split's
+        `batch_size`): the batch the whole-batch loss sees and its logs
+        are weighted by."""
+        ...
+
     # -- Keras's functions around the step (`_sizing.SplitFunction`) ----------
 
     def unpack_call(self, kind: str, args) -> tuple[Any, Iterator]:
@@ -454,7 +467,9 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     share = _window.Share(None, 0.0, loss, batch_ops.rows_of(last_x))
     state = batch_ops.add_piece(state, grads, share, split.count, closes=True)
     state = batch_ops.seeds_finish(state, start, split.count - 1)
-    return batch_ops.train_result(state, split.batch_size)
+    return batch_ops.train_result(
+        state, batch_ops.global_rows(split.batch_size)
+    )
 
 
 def whole_batch_test_step(batch_ops: BatchOps, state, data):
@@ -479,7 +494,9 @@ def whole_batch_test_step(batch_ops: BatchOps, state, data):
     state, loss = batch_ops.whole_test(
         looped.carry, (x, y, sample_weight), y_pred
     )
-    return batch_ops.test_result(state, loss, split.batch_size)
+    return batch_ops.test_result(
+        state, loss, batch_ops.global_rows(split.batch_size)
+    )
 
 
 def check_whole_batch(model, batch_ops) -> None:
@@ -517,12 +534,14 @@ def check_whole_batch(model, batch_ops) -> None:
             "scale: give `PseudoBatchLogger` `noise_scale=False`, or train "
             "without `whole_batch_loss`. Received: whole_batch_loss=True"
         )
-    devices = batch_ops.device_count()
-    if devices > 1:
+    refused = batch_ops.unsupported_devices()
+    if refused is not None:
         raise NotImplementedError(
-            "`whole_batch_loss=True` runs on one device for now: the loss "
-            "would need the outputs of every device's rows. Received: "
-            f"whole_batch_loss=True on {devices} devices"
+            "`whole_batch_loss=True` runs on one device, under JAX's "
+            "`keras.distribution.DataParallel` and under TensorFlow's "
+            "`MirroredStrategy` (one worker), where the loss sees the global "
+            "batch; not yet elsewhere. Train on one of these, or without "
+            f"`whole_batch_loss`. Received: whole_batch_loss=True {refused}"
         )
 
 
@@ -622,6 +641,12 @@ class BaseBatchOps:
 
     def can_redo(self) -> bool:
         return True
+
+    def unsupported_devices(self) -> str | None:
+        return None
+
+    def global_rows(self, rows):
+        return rows
 
 
 class EagerStateOps(BaseBatchOps):
@@ -759,11 +784,14 @@ def model_losses(model) -> Callable:
 
 def _model_losses(y_pred, losses):
     """The model's own losses of a forward pass, added as `keras.Model`
-    adds them to its loss (a float32 zero where there are none)."""
+    adds them to its loss (a float32 zero where there are none): under
+    `tf.distribute`, divided by the replica count, as Keras divides them
+    on each replica (every replica's last piece adds them; the window sums
+    the replicas)."""
     total = ops.zeros((), "float32")
     for value in losses:
         total = total + ops.cast(value, "float32")
-    return total
+    return _compat.scale_loss_for_distribution(total)
 
 
 # -- Helpers ------------------------------------------------------------------

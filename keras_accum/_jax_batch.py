@@ -296,6 +296,22 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
     def device_count(self):
         return self.shards
 
+    def unsupported_devices(self):
+        # The step sees global arrays: pieces take every device's rows in
+        # place, and the loss the joined batch. Made exact and tested under
+        # `DataParallel` in one process only.
+        distribution = keras.distribution.distribution()
+        if self.shards > 1 and not isinstance(
+            distribution, keras.distribution.DataParallel
+        ):
+            return (
+                f"under {type(distribution).__name__} ({self.shards} "
+                "devices along the batch axis)"
+            )
+        if jax.process_count() > 1:
+            return f"over {jax.process_count()} processes"
+        return None
+
     def seeds_start(self, state):
         from keras_accum import _seeds
 
@@ -366,6 +382,11 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         backend = _jax_devices.ops_class(window_state)(
             accumulators, model.optimizer, trainable, optimizer_values
         )
+        if window_state.partial_sums:
+            # Each device's partial sum (`_jax_devices`): the whole batch's
+            # gradient, reduced already, counts on the first.
+            slots = int(accumulators[0].shape[0]) if accumulators else 1
+            grads = _jax_devices.in_first_slot(grads, slots)
         updates = optimizer_values[iterations_index(model.optimizer)]
         counters, complete = _window.accumulate(
             counters, backend, grads, share, model._plan(updates, count)
