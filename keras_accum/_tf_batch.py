@@ -360,9 +360,21 @@ def _replicas():
 def _gathered(context, tree):
     """Every replica's rows of each tensor in `tree`, in the replicas'
     order: the global batch's (None passes)."""
-    return tf.nest.map_structure(
-        lambda t: None if t is None else context.all_gather(t, axis=0), tree
-    )
+
+    def gathered(t):
+        if t is None:
+            return None
+        if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
+            raise NotImplementedError(
+                "`whole_batch_loss=True` under a `tf.distribute` strategy "
+                "gathers the batch over the replicas for the loss, and does "
+                "not gather ragged or sparse tensors yet: densify them in "
+                "the input pipeline, or train on one replica. Received: a "
+                f"{type(t).__name__} in the batch"
+            )
+        return context.all_gather(t, axis=0)
+
+    return tf.nest.map_structure(gathered, tree)
 
 
 class _After(NamedTuple):

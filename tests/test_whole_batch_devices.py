@@ -10,11 +10,11 @@ sees the global batch, and training equals one device at the batch.
   output gradient back.
 
 Each case (a CLIP model whose temperature is an output's; a dual encoder
-whose temperature only the loss reads, with weight regularization; Adam;
-batches of 8; on TensorFlow the last smaller, uneven over the replicas)
-is compared with a plain `keras.Model`
-on one device at the batch, update by update, with its logged losses and
-its `evaluate`.
+whose temperature only the loss reads, with weight regularization; Adam,
+and on TensorFlow SGD with momentum for CLIP; batches of 8, on TensorFlow
+the dual encoder's last one 5, uneven over the replicas) is compared
+with a plain `keras.Model` on one device at the batch, update by update,
+with its logged losses and its `evaluate`.
 """
 
 import os
