@@ -13,8 +13,9 @@ an `AccumModel(micro_batch_size=3, whole_batch_loss=True)`
 under the strategy and a plain `keras.Model` on one device (no strategy)
 on the same batches of 8 (the dual encoder's last one 5: the replicas
 hold 3 and 2 rows), asserting their weights equal after every update
-(`_helpers.assert_same_weights`) and their logged losses, then their
-`evaluate`. The refusal of another strategy is checked too.
+(`_helpers.assert_same_weights`) and their logs (the loss; for CLIP a
+metric that reads the whole batch), then their `evaluate`. The refusal
+of another strategy is checked too.
 """
 
 import json
@@ -41,6 +42,7 @@ from _contrastive import (  # noqa: E402
     DualEncoder,
     _cross_entropy_rows,
     _subclass,
+    in_batch_accuracy,
 )
 from _helpers import (  # noqa: E402
     UpdateRecorder,
@@ -83,6 +85,7 @@ def build(name, model_cls, **kwargs):
     if name == "clip":
         model = CASES["clip"][0](model_cls, dropout=0.0, **kwargs)
         loss = CASES["clip"][2]
+        metrics = [in_batch_accuracy]
     else:
         model = _subclass(ReplicaDualEncoder, model_cls)(dropout=0.0, **kwargs)
         model(data("clip")[0])
@@ -90,7 +93,7 @@ def build(name, model_cls, **kwargs):
         for tower in (model.image_tower, model.text_tower):
             tower.layers[0].kernel.regularizer = keras.regularizers.L2(0.05)
         assert len(model.losses) == 2  # The regularization counts.
-        loss = None
+        loss, metrics = None, None
     # SGD with momentum for one, Adam for the other. (Adam's first step
     # takes a gradient's sign: on the CLIP model's data here a bias whose
     # gradient is near zero moved 1.8e-5 apart, float32 rounding of the
@@ -99,7 +102,7 @@ def build(name, model_cls, **kwargs):
         optimizer = keras.optimizers.SGD(0.3, momentum=0.9)
     else:
         optimizer = keras.optimizers.Adam(0.05)
-    model.compile(optimizer=optimizer, loss=loss)
+    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
     return model
 
 
@@ -109,15 +112,15 @@ def data(name):
 
 
 class Recorder(UpdateRecorder):
-    """The weights after every update, and the loss logged at each."""
+    """The weights after every update, and the logs at each batch."""
 
     def __init__(self):
         super().__init__()
-        self.losses = []
+        self.logs = []
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
-        self.losses.append(float(logs["loss"]))
+        self.logs.append({k: float(v) for k, v in logs.items()})
 
 
 def fit_recording(model, x, y):
@@ -158,18 +161,18 @@ def case(name):
     ):
         assert_same_weights(found, expected)
         diffs.append(max_weight_diff(found, expected))
-    losses = list(zip(accum_run.losses, plain_run.losses, strict=True))
+    logs = list(zip(accum_run.logs, plain_run.logs, strict=True))
     # Evaluated at batch 8: the loss on the global batch.
     evaluated = [
-        float(accum.evaluate(x, y, batch_size=8, verbose=0)),
-        float(plain.evaluate(x, y, batch_size=8, verbose=0)),
+        accum.evaluate(x, y, batch_size=8, verbose=0, return_dict=True),
+        plain.evaluate(x, y, batch_size=8, verbose=0, return_dict=True),
     ]
     return {
         "case": name,
         "replicas": STRATEGY.num_replicas_in_sync,
         "max_weight_diff": max(diffs),
         "moved": max_weight_diff(plain, start),
-        "losses": losses,
+        "logs": logs,
         "evaluated": evaluated,
     }
 

@@ -14,7 +14,8 @@ whose temperature only the loss reads, with weight regularization; Adam,
 and on TensorFlow SGD with momentum for CLIP; batches of 8, on TensorFlow
 the dual encoder's last one 5, uneven over the replicas) is compared
 with a plain `keras.Model` on one device at the batch, update by update,
-with its logged losses and its `evaluate`.
+with its logs (the loss, and a metric that reads the whole batch) and its
+`evaluate`.
 """
 
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from _contrastive import CASES, DualEncoder, _subclass
+from _contrastive import CASES, DualEncoder, _subclass, in_batch_accuracy
 from _helpers import (
     UpdateRecorder,
     assert_same_weights,
@@ -47,9 +48,14 @@ def _check(found, report_diff, label):
     # update.
     report_diff(found["max_weight_diff"], f"{label}: {found['case']}")
     assert found["moved"] > 1e-2, found  # The models trained.
-    for accum_loss, plain_loss in found["losses"]:
-        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
-    np.testing.assert_allclose(*found["evaluated"], rtol=1e-5)
+    for accum_logs, plain_logs in [*found["logs"], found["evaluated"]]:
+        # The loss, and for CLIP a metric that reads the whole batch.
+        expected = {"loss"} | (
+            {"in_batch_accuracy"} if found["case"] == "clip" else set()
+        )
+        assert set(accum_logs) == set(plain_logs) == expected
+        for key, value in plain_logs.items():
+            np.testing.assert_allclose(accum_logs[key], value, rtol=1e-5)
 
 
 # -- TensorFlow: MirroredStrategy ---------------------------------------------
@@ -71,8 +77,8 @@ def test_mirrored_strategy_equals_one_device_at_the_batch(
     mirrored, name, report_diff
 ):
     cases, _ = mirrored
-    assert cases[name].get("replicas", 2) == 2
     _check(cases[name], report_diff, "MirroredStrategy, 2 replicas")
+    assert cases[name]["replicas"] == 2
 
 
 @pytest.mark.tensorflow_only(reason="tf.distribute strategies")
@@ -104,26 +110,29 @@ def _build(name, model_cls, **kwargs):
     if name == "clip":
         model = CASES["clip"][0](model_cls, dropout=0.0, **kwargs)
         loss = CASES["clip"][2]
+        metrics = [in_batch_accuracy]
     else:
         model = _subclass(DualEncoder, model_cls)(dropout=0.0, **kwargs)
         model(CASES["clip"][1](2)[0])
         regularize(model)
         assert len(model.losses) == 2  # The regularization counts.
-        loss = None
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+        loss, metrics = None, None
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.05), loss=loss, metrics=metrics
+    )
     return model
 
 
 class _Recorder(UpdateRecorder):
-    """The weights after every update, and the loss logged at each."""
+    """The weights after every update, and the logs at each batch."""
 
     def __init__(self):
         super().__init__()
-        self.losses = []
+        self.logs = []
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
-        self.losses.append(float(logs["loss"]))
+        self.logs.append({k: float(v) for k, v in logs.items()})
 
 
 def _fit_recording(model, x, y):
@@ -154,7 +163,9 @@ def _fit_side_by_side(name):
         )
         accum.set_weights(start)
         accum_run = _fit_recording(accum, x, y)
-        accum_evaluated = accum.evaluate(x, y, batch_size=8, verbose=0)
+        accum_evaluated = accum.evaluate(
+            x, y, batch_size=8, verbose=0, return_dict=True
+        )
     plain_run = _fit_recording(plain, x, y)
     assert len(accum_run.updates) == len(plain_run.updates) == len(SIZES)
     diffs = []
@@ -167,10 +178,10 @@ def _fit_side_by_side(name):
         "case": name,
         "max_weight_diff": max(diffs),
         "moved": max_weight_diff(plain, start),
-        "losses": list(zip(accum_run.losses, plain_run.losses, strict=True)),
+        "logs": list(zip(accum_run.logs, plain_run.logs, strict=True)),
         "evaluated": [
-            float(accum_evaluated),
-            float(plain.evaluate(x, y, batch_size=8, verbose=0)),
+            accum_evaluated,
+            plain.evaluate(x, y, batch_size=8, verbose=0, return_dict=True),
         ],
     }
 
