@@ -245,9 +245,11 @@ class AccumModel(_Trainer, keras.Model):
             replayed: once for the batch's outputs, once to carry the
             loss's gradient back; `evaluate` computes the loss on the
             whole batch too. Only with an int `micro_batch_size`, on one
-            device, without loss scaling; layers that mix the samples of
-            a batch (a training `BatchNormalization`) and activity
-            regularizers are refused. Defaults to `False`.
+            device, without loss scaling; under JAX's `DataParallel` and
+            TensorFlow's `MirroredStrategy` too, the loss seeing the
+            global batch. Layers that mix the samples of a batch (a
+            training `BatchNormalization`) and activity regularizers are
+            refused. Defaults to `False`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`: those it takes (`name`,
             `trainable`, `dtype`, ...); any other is refused.
