@@ -24,8 +24,8 @@ weights' size P, the classic step's being 206 P):
 - `fori_loop(unroll=2)`: 5.2x, 1.21x; 733 P (two pieces' activations);
 - `scan` over the batch reshaped to (pieces, rows, ...), the last piece
   after it: 6.5x, 1.08x; 387 P;
-- a Python loop (unrolled in the trace): 1.37x, 1.37x; 1434 P, growing
-  with the pieces.
+- a Python loop (unrolled in the trace): 1.37x, 1.37x; 1434 P, 2837 P
+  at 16 pieces (`fori_loop`: 382 P still).
 
 `fori_loop` with the fast layout it is: the fastest, one piece's
 activations at a time. Its compiled loop already carries only what the
