@@ -32,10 +32,11 @@ def test_a_split_batch_through_convolutions_equals_the_large_batch():
     x, y = _data()
     reference = LargeBatch(_cnn())
     accum = _cnn(keras_accum.AccumModel, micro_batch_size=3)
-    common = {"batch_size": 10, "epochs": 2, "shuffle": False, "verbose": 0}
+    # Pieces of 3, 3, 3 and 1 rows in each batch.
+    common = {"batch_size": 10, "shuffle": False, "verbose": 0}
     reference.fit(x, y, **common)
     accum.fit(x, y, **common)
-    assert int(accum.optimizer.iterations) == 4
+    assert int(accum.optimizer.iterations) == 2
     assert_same_weights(accum, reference)
 
 
