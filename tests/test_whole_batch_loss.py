@@ -5,11 +5,14 @@ batch for every case of `_contrastive`, on every backend."""
 import keras
 import numpy as np
 import pytest
-from _contrastive import CASES
+from _contrastive import CASES, supcon_loss
 from _helpers import assert_same_weights, max_weight_diff
 from test_output_grads import one_pass
 
 import keras_accum
+from keras_accum import _sizing
+
+BACKEND = keras.backend.backend()
 
 B = 8
 UPDATES = 3
@@ -178,18 +181,6 @@ def test_whole_batch_loss_must_be_a_bool():
         )
 
 
-def test_auto_sizes_are_refused():
-    # Not built yet: the sizing would not count the cached outputs.
-    with pytest.raises(ValueError, match="size its pieces automatically"):
-        _build(
-            "supcon",
-            keras_accum.AccumModel,
-            0.0,
-            micro_batch_size="auto",
-            whole_batch_loss=True,
-        )
-
-
 def test_the_setting_round_trips_through_the_config():
     model = _build(
         "supcon",
@@ -203,6 +194,25 @@ def test_the_setting_round_trips_through_the_config():
     assert copy.micro_batch_size == 3
     model.whole_batch_loss = False
     assert model.whole_batch_loss is False
+
+
+def test_auto_sizes_round_trip_through_config_clone_and_saving(tmp_path):
+    model = CASES["supcon"][0](
+        keras_accum.AccumModel,
+        dropout=0.0,
+        micro_batch_size="auto",
+        whole_batch_loss=True,
+    )
+    auto = keras_accum.AutoMicroBatch()
+    path = tmp_path / "whole_auto.keras"
+    model.save(path)
+    for copy in (
+        keras_accum.AccumModel.from_config(model.get_config()),
+        keras.models.clone_model(model),
+        keras.saving.load_model(path),
+    ):
+        assert copy.micro_batch_size == auto
+        assert copy.whole_batch_loss is True
 
 
 def _regularized(model_cls, activity=False, **kwargs):
@@ -544,3 +554,84 @@ def test_the_noise_scale_is_refused():
     logger = keras_accum.PseudoBatchLogger(noise_scale=True)
     with pytest.raises(NotImplementedError, match="noise scale"):
         model.fit(x, y, batch_size=B, callbacks=[logger], verbose=0)
+
+
+# -- "auto" sizes: the search measures the whole-batch step -------------------
+#
+# Wide outputs (4096 floats a sample, normalized embeddings for a SupCon
+# loss) behind wider activations (64K floats a sample): the whole-batch
+# step holds the batch's outputs and their gradient (and the loss's
+# temporaries over them) while each piece runs, which the split step's
+# pieces do not.
+
+B_AUTO = 32
+
+
+def _wide_outputs(model_cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(128, activation="relu")(inputs)
+    hidden = keras.layers.Reshape((1, 128))(hidden)
+    hidden = keras.layers.UpSampling1D(512)(hidden)
+    hidden = keras.layers.Flatten()(keras.layers.Dense(8)(hidden))
+    outputs = keras.layers.UnitNormalization()(hidden)
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=supcon_loss)
+    return model
+
+
+def _probing(model, data):
+    """The library's `measure(size)` of the model's train step on `data`:
+    JAX's compiled figures, TensorFlow's allocator figures of a probe step
+    (`BatchOps.probing`), the model's variables restored after."""
+    ops = model._batch_ops_class(model)
+    state = ()
+    if BACKEND == "jax":
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+    return ops.probing("train", data, state)
+
+
+@pytest.mark.skipif(
+    BACKEND == "torch",
+    reason="PyTorch on a CPU has no allocator figures: 'auto' is refused "
+    "there (test_auto_micro_batch)",
+)
+def test_auto_counts_the_cached_outputs_and_trains_as_keras_model():
+    rng = np.random.default_rng(0)
+    x = rng.random((2 * B_AUTO, 64), dtype=np.float32)
+    y = rng.integers(0, 4, 2 * B_AUTO).astype("float32")
+    batches = [(x[:B_AUTO], y[:B_AUTO]), (x[B_AUTO:], y[B_AUTO:])]
+    plain = _wide_outputs(keras.Model)
+    model = _wide_outputs(
+        keras_accum.AccumModel, micro_batch_size=8, whole_batch_loss=True
+    )
+    common = {"batch_size": B_AUTO, "shuffle": False, "verbose": 0}
+    # The limit: the whole-batch step's peak at 8, measured.
+    model.fit(*batches[0], **common)
+    with _probing(model, batches[1]) as measure:
+        limit = measure(8)
+    model.micro_batch_size = keras_accum.AutoMicroBatch(
+        memory_limit=limit, margin=0.0
+    )
+    model.fit(*batches[1], **common)
+    (whole,) = model.micro_batch_choices
+    assert whole["step"] == "train" and whole["budget"] == limit
+    assert whole["predicted_peak"] <= limit
+    chosen = whole["micro_batch_size"]
+    for batch in batches:
+        plain.train_on_batch(*batch)
+    assert_same_weights(model, plain.get_weights())
+    # The split step's pieces hold no batch's outputs: under the same
+    # limit its search (the library's, on the same figures) takes larger
+    # pieces.
+    model.whole_batch_loss = False
+    exact, _ = model._batch_ops_class(model).sizing_method()
+    with _probing(model, batches[1]) as measure:
+        split, peak, _ = _sizing.search(measure, B_AUTO, limit, exact)
+    assert peak <= limit
+    assert chosen < split
