@@ -558,7 +558,7 @@ def test_the_noise_scale_is_refused():
 
 # -- "auto" sizes: the search measures the whole-batch step -------------------
 #
-# Wide outputs (4096 floats a sample, normalized embeddings for a SupCon
+# Wide outputs (8192 floats a sample, normalized embeddings for a SupCon
 # loss) behind wider activations (64K floats a sample): the whole-batch
 # step holds the batch's outputs and their gradient (and the loss's
 # temporaries over them) while each piece runs, which the split step's
@@ -573,7 +573,7 @@ def _wide_outputs(model_cls, **kwargs):
     hidden = keras.layers.Dense(128, activation="relu")(inputs)
     hidden = keras.layers.Reshape((1, 128))(hidden)
     hidden = keras.layers.UpSampling1D(512)(hidden)
-    hidden = keras.layers.Flatten()(keras.layers.Dense(8)(hidden))
+    hidden = keras.layers.Flatten()(keras.layers.Dense(16)(hidden))
     outputs = keras.layers.UnitNormalization()(hidden)
     model = model_cls(inputs, outputs, **kwargs)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=supcon_loss)
