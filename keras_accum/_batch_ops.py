@@ -415,12 +415,12 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     y_pred = batch_ops.join(looped.collected, last_pred, split)
 
     # The loss on the whole batch, and its gradient with respect to the
-    # outputs; the metrics see the whole batch once.
-    # Under loss scaling the loss is scaled before it is differentiated,
-    # as `keras.Model` scales it: the output gradient of float16 outputs
-    # would underflow otherwise. The window holds scaled gradients, which
-    # the `LossScaleOptimizer` unscales (or skips, lowering its scale) at
-    # the close, as for the split mode's windows.
+    # outputs; the metrics see the whole batch once. Under loss scaling
+    # the loss is scaled before it is differentiated, as `keras.Model`
+    # scales it: the output gradient of float16 outputs would underflow
+    # otherwise. The window holds scaled gradients, which the optimizer
+    # unscales (or skips, lowering its scale) at the close, as for the
+    # split mode's windows.
     scale = batch_ops.loss_scale(state)
     state, found = batch_ops.whole_loss(
         looped.carry, (x, y, sample_weight), y_pred, scale
