@@ -358,14 +358,26 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         y_pred = jax.lax.stop_gradient(y_pred)
         return (trainable, non_trainable, optimizer_and_window, metrics), y_pred
 
-    def whole_loss(self, state, data, y_pred):
+    def loss_scale(self, state):
+        # Read from the step's optimizer values (its dynamic scale).
+        optimizer = self.model.optimizer
+        values = state[2][: len(optimizer.variables)]
+        mapping = list(zip(optimizer.variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return _batch_ops.scale_of(optimizer)
+
+    def whole_loss(self, state, data, y_pred, scale=None):
         from keras_accum import _jax_output_grads
 
         model = self.model
         trainable, non_trainable, optimizer_and_window, metrics = state
         found, (non_trainable, metrics) = (
             _jax_output_grads.stateless_loss_and_output_grads(
-                model, (trainable, non_trainable, metrics), data, y_pred
+                model,
+                (trainable, non_trainable, metrics),
+                data,
+                y_pred,
+                _batch_ops.scaled_by(scale),
             )
         )
         x, y, sample_weight = data
@@ -375,7 +387,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         metrics = current_values(scope, model.metrics_variables)
         return (trainable, non_trainable, optimizer_and_window, metrics), found
 
-    def vjp_piece(self, state, x, output_grads, start, i, last):
+    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
         from keras_accum import _jax_output_grads
 
         model = self.model
@@ -386,7 +398,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
             self._entered(non_trainable, start, i),
             x,
             output_grads,
-            _batch_ops.model_losses(model) if last else None,
+            _batch_ops.model_losses(model, scale) if last else None,
         )
         state = (trainable, non_trainable, optimizer_and_window, metrics)
         return state, found.weights, found.extra

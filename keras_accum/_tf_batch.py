@@ -295,7 +295,7 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
             return rows
         return context.all_reduce("sum", tf.cast(rows, tf.float32))
 
-    def whole_loss(self, state, data, y_pred):
+    def whole_loss(self, state, data, y_pred, scale=None):
         # Each replica runs the step on its rows: the loss sees every
         # replica's (gathered), and each replica carries its own rows of
         # the output gradient back. Keras's losses divide by the replica
@@ -305,9 +305,9 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
         # count back.
         context = _replicas()
         if context is None:
-            return super().whole_loss(state, data, y_pred)
+            return super().whole_loss(state, data, y_pred, scale)
         state, found = super().whole_loss(
-            state, _gathered(context, data), _gathered(context, y_pred)
+            state, _gathered(context, data), _gathered(context, y_pred), scale
         )
         rows = tf.shape(tf.nest.flatten(y_pred)[0])[0]
         sizes = context.all_gather(tf.reshape(rows, [1]), axis=0)
