@@ -19,18 +19,22 @@ worker process of its own (this script with `--worker BACKEND`):
    nothing, so large batches cost only a compile); on TensorFlow, the
    allocator's in-use peak during the step's second run at that size
    (`TF_CPU_ALLOCATOR_USE_BFC=true`) less what was in use before it, plus
-   the bytes of the model's variables. Then the peak of `whole` at its
-   largest batch is split into the micro-batch step's (`keras` at `m`),
-   the batch's outputs and their gradient, and the rest (on JAX, the
-   loss's own compiled value-and-gradient at that batch is shown beside
-   it: its `B x B` logits).
+   the bytes of the model's variables and of the batch (made tensors
+   before the measure). Then the peak of `whole` at its largest batch is
+   split into the micro-batch step's (`keras` at `--micro-batch`), the
+   batch's other inputs, its outputs and their gradient, and the rest (on
+   JAX, the loss's own compiled value-and-gradient at that batch is shown
+   beside it: its `B x B` logits).
 2. Speed (all three backends). CPU time per sample (`time.process_time`)
-   of one epoch of `fit` at `--batch`, `whole` (micro-batch
-   `--micro-batch`) against `keras` at the same batch, after a warm-up,
-   in `--rounds` interleaved rounds: the median of the rounds' ratios and
-   their quartiles.
+   of one epoch of `fit` at `--batch`, for `keras`, `whole` and `split`
+   (`AccumModel(micro_batch_size=m)`, the same pieces each with its own
+   loss), `m` being `--speed-micro-batch`, after a warm-up, in `--rounds`
+   interleaved rounds: the median of the rounds' ratios of `whole` to
+   `keras` and their quartiles, and of `split` to `keras`, `whole` to
+   `split` (what the loss over the whole batch adds to the pieces).
 
     python benchmarks/bench_whole_batch_loss.py              # all three
+    python benchmarks/bench_whole_batch_loss.py --backends=jax --no-speed
     python benchmarks/bench_whole_batch_loss.py --backends=jax --quick
 
 Results go to benchmarks/results/whole_batch_loss.json.
@@ -50,7 +54,7 @@ import _workers
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 EMBED = 64
-TEXT_FEATURES = 256
+TEXT_FEATURES = 64
 
 
 def _import_example():
@@ -72,15 +76,21 @@ def build(variant, args, micro_batch):
     keras.utils.set_random_seed(0)
     size, width = args.image_size, args.width
     image = keras.Input((size, size, 3), name="image")
-    h = keras.layers.Conv2D(width, 3, padding="same", activation="relu")(image)
-    h = keras.layers.Conv2D(width, 3, padding="same", activation="relu")(h)
-    h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Conv2D(2 * width, 3, padding="same", activation="relu")(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
+    if args.image_tower == "conv":
+        conv = keras.layers.Conv2D
+        h = conv(width, 3, padding="same", activation="relu")(image)
+        h = conv(width, 3, padding="same", activation="relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+        h = conv(2 * width, 3, padding="same", activation="relu")(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+    else:
+        h = keras.layers.Flatten()(image)
+        h = keras.layers.Dense(32 * width, activation="relu")(h)
+        h = keras.layers.Dense(32 * width, activation="relu")(h)
     h = keras.layers.Dense(EMBED)(h)
     image_embedding = keras.layers.UnitNormalization()(h)
     text = keras.Input((TEXT_FEATURES,), name="text")
-    t = keras.layers.Dense(4 * EMBED, activation="relu")(text)
+    t = keras.layers.Dense(EMBED, activation="relu")(text)
     t = keras.layers.Dense(EMBED)(t)
     text_embedding = keras.layers.UnitNormalization()(t)
     scaled = example.LogitScale(name="temperature")(image_embedding)
@@ -97,7 +107,7 @@ def build(variant, args, micro_batch):
             inputs,
             outputs,
             micro_batch_size=micro_batch,
-            whole_batch_loss=True,
+            whole_batch_loss=variant == "whole",
         )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=example.clip_loss)
     return model
@@ -185,7 +195,9 @@ def tf_peak(model, rows, args):
     import tensorflow as tf
 
     info = tf.config.experimental.get_memory_info
-    x, y = data(rows, args)
+    # Tensors before the measure, counted by their size: a tensor made
+    # from a NumPy array may share its memory or not (by its alignment).
+    x, y = tf.nest.map_structure(tf.constant, data(rows, args))
     try:
         for _ in range(2):
             tf.config.experimental.reset_memory_stats("CPU:0")
@@ -194,7 +206,12 @@ def tf_peak(model, rows, args):
             above = info("CPU:0")["peak"] - before
     except tf.errors.ResourceExhaustedError:
         return None
-    return _variable_bytes(model) + above
+    return _variable_bytes(model) + _input_bytes(rows, args) + above
+
+
+def _input_bytes(rows, args):
+    """The bytes of a batch of `rows` inputs and labels (float32)."""
+    return rows * (args.image_size**2 * 3 + TEXT_FEATURES + 1) * 4
 
 
 def largest(measure, budget, start, limit, resolution, peaks):
@@ -265,10 +282,14 @@ def memory(args, backend):
         )
         # y_pred (the scaled image and the text embeddings, float32) and
         # its gradient with respect to the loss.
+        # The batch's inputs beyond the micro-batch's: the split step
+        # holds the whole batch's inputs (a JAX argument).
+        split["inputs"] = _input_bytes(whole - m, args)
         split["outputs_and_gradient"] = 2 * whole * 2 * EMBED * 4
         split["rest"] = (
             split["whole_step"]
             - split["micro_batch_step"]
+            - split["inputs"]
             - split["outputs_and_gradient"]
         )
         if backend == "jax":
@@ -288,11 +309,17 @@ def memory(args, backend):
 
 def speed(args, backend):
     """CPU time per sample of `whole` against `keras` at the batch."""
+    if backend == "torch" and args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     m = args.speed_micro_batch
-    built = {v: build(v, args, m) for v in ("keras", "whole")}
+    built = {v: build(v, args, m) for v in ("keras", "whole", "split")}
     samples = max(1, args.samples_per_run // args.batch) * args.batch
     x, y = data(samples, args, seed=1)
     times = _workers.time_rounds(built, x, y, args.batch, args.rounds)
+    # `time_rounds` divides by `len(x)`: the inputs' count, x being a dict.
+    times = {v: [t * len(x) / samples for t in ts] for v, ts in times.items()}
     return {
         "backend": backend,
         "batch": args.batch,
@@ -300,7 +327,12 @@ def speed(args, backend):
         "samples_per_run": samples,
         "keras_cpu_per_sample": _median(times["keras"]),
         "whole_cpu_per_sample": _median(times["whole"]),
+        "split_cpu_per_sample": _median(times["split"]),
         **_workers.paired_ratios(times, "whole", "keras"),
+        # The same pieces, each with its own loss: what the pieces cost
+        # without the loss's pass over the whole batch.
+        "split_vs_keras": _workers.paired_ratios(times, "split", "keras"),
+        "whole_vs_split": _workers.paired_ratios(times, "whole", "split"),
     }
 
 
@@ -317,7 +349,8 @@ def worker(args):
     row = {"backend": backend}
     if backend in ("jax", "tensorflow") and not args.no_memory:
         row["memory"] = memory(args, backend)
-    row["speed"] = speed(args, backend)
+    if not args.no_speed:
+        row["speed"] = speed(args, backend)
     _workers.print_rows([row])
 
 
@@ -357,7 +390,8 @@ def print_tables(rows):
         print(
             f"{row['backend']:<11} B={split['batch']} m={split['micro_batch']}"
             f": whole step {_mib(split['whole_step'])} = micro-batch step "
-            f"{_mib(split['micro_batch_step'])} + outputs and gradient "
+            f"{_mib(split['micro_batch_step'])} + the other inputs "
+            f"{_mib(split['inputs'])} + outputs and gradient "
             f"{_mib(split['outputs_and_gradient'])} + rest "
             f"{_mib(split['rest'])}"
             + (
@@ -368,40 +402,60 @@ def print_tables(rows):
         )
     print("\nCPU time per sample, whole_batch_loss / keras.Model at the batch")
     for row in rows:
+        if "speed" not in row:
+            continue
         s = row["speed"]
         print(
             f"{row['backend']:<11} B={s['batch']} m={s['micro_batch']}: "
             f"{s['ratio_median']:.3f} ({s['ratio_q1']:.3f}-"
             f"{s['ratio_q3']:.3f}); keras {s['keras_cpu_per_sample'] * 1e3:.3f}"
-            f" ms, whole {s['whole_cpu_per_sample'] * 1e3:.3f} ms a sample"
+            f" ms, whole {s['whole_cpu_per_sample'] * 1e3:.3f} ms a sample; "
+            f"split (the pieces, each its own loss) / keras "
+            f"{s['split_vs_keras']['ratio_median']:.3f}, whole / split "
+            f"{s['whole_vs_split']['ratio_median']:.3f}"
         )
 
 
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="tensorflow,jax,torch")
-    parser.add_argument("--budget-mib", type=int, default=64)
+    parser.add_argument("--budget-mib", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument(
+        "--image-tower",
+        choices=("conv", "mlp"),
+        default="conv",
+        help="the image tower: 3 conv layers of `width`, `2 width` "
+        "filters, or an MLP of two `32 width` layers",
+    )
+    parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--accum-steps", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=1 << 16)
     parser.add_argument(
         "--resolution",
         type=float,
-        default=1 / 8,
+        default=1 / 4,
         help="bisect to within this fraction of the largest batch",
     )
     parser.add_argument(
         "--speed-micro-batch",
         type=int,
-        default=64,
+        default=32,
         help="whole_batch_loss's micro-batch in the timed runs",
     )
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples-per-run", type=int, default=1024)
+    parser.add_argument("--samples-per-run", type=int, default=512)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="PyTorch's intra-op threads in the timed runs (0: its own "
+        "default); on shared cores idle threads spin, and CPU time counts it",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a tiny smoke run (CI)"
     )
@@ -417,6 +471,7 @@ WORKER_OPTIONS = (
     "budget_mib",
     "image_size",
     "width",
+    "image_tower",
     "micro_batch",
     "accum_steps",
     "max_batch",
@@ -425,8 +480,9 @@ WORKER_OPTIONS = (
     "batch",
     "rounds",
     "samples_per_run",
+    "torch_threads",
 )
-WORKER_FLAGS = ("no_memory",)
+WORKER_FLAGS = ("no_memory", "no_speed")
 
 
 def main():
