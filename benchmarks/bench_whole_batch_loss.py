@@ -66,8 +66,9 @@ def _import_example():
 
 
 def build(variant, args, micro_batch):
-    """The two-tower model as `variant` (keras, accum, whole), compiled;
-    `whole` splits its batch in pieces of `micro_batch`."""
+    """The two-tower model as `variant`, compiled: `keras`, `accum`
+    (`accum_steps`), `whole` (`whole_batch_loss`) or `split` (each piece
+    its own loss), the last two in pieces of `micro_batch`."""
     import keras
 
     import keras_accum
