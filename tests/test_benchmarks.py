@@ -375,11 +375,15 @@ def test_low_precision_benchmark_runs(tmp_path):
 
 
 def test_whole_batch_loss_script_smoke(tmp_path):
-    # One JAX worker: its memory figures are compiled, not run, so the
-    # largest batches are found without training at them.
+    # One JAX worker, memory only: its figures are compiled, not run, so
+    # the largest batches are found without training at them.
     out = tmp_path / "whole_batch_loss.json"
     result = _script(
-        "bench_whole_batch_loss.py", "--quick", "--backends=jax", f"--out={out}"
+        "bench_whole_batch_loss.py",
+        "--quick",
+        "--backends=jax",
+        "--no-speed",
+        f"--out={out}",
     )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["backend"] == "jax"
@@ -393,6 +397,5 @@ def test_whole_batch_loss_script_smoke(tmp_path):
     assert found["whole"]["largest"] > found["keras"]["largest"]
     split = row["memory"]["split"]
     assert split["micro_batch_step"] < split["whole_step"] <= budget
-    speed = row["speed"]
-    assert speed["ratio_median"] > 0 and len(speed["ratios"]) == 1
+    assert "speed" not in row
     assert "largest batch under the budget" in result.stdout
