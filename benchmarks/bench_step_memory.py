@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step_memory.py [--json=PATH]
         [--models=wide,deep] [--kinds=graph,xla,jax] [--low-precision]
+        [--variants=plain,accum,...]
 
 What `AccumModel(B, k=4)` needs beyond what it holds between steps,
 against `keras.Model(B)`, in units of P (the trainable weights' float32
@@ -24,6 +25,10 @@ With `--low-precision`, each model is measured under the `bfloat16` dtype
 policy too: `keras.Model` (`plain_bf16`), `AccumModel` with float32
 accumulators (`accum_bf16`) and with `accumulator_dtype="bfloat16"`
 (`low_bf16`), P still the weights' float32 size.
+
+`--variants` builds and measures only the variants named, and prints
+their figures (JSON) in place of the tables: tests/test_memory.py
+measures the two bfloat16 ones it compares per kind, not all five.
 """
 
 from __future__ import annotations
@@ -68,17 +73,22 @@ def _data(features):
     return x, rng.integers(0, 10, size=(B * K,))
 
 
-def _variants(models, low_precision=False):
+FLOAT32_VARIANTS = ("plain", "accum")
+BFLOAT16_VARIANTS = ("plain_bf16", "accum_bf16", "low_bf16")
+
+
+def _variants(models, low_precision=False, only=None):
     """`(name, variant, model, x, y)`: plain and `AccumModel`, per model
-    (and under a bfloat16 policy, with `low_precision`)."""
+    (and under a bfloat16 policy, with `low_precision`); of the variants
+    `only` if given."""
     for name in models:
         build, features = _models()[name]
         x, y = _data(features)
-        for variant, model in _built(build, low_precision):
+        for variant, model in _built(build, low_precision, only):
             yield name, variant, model, x, y
 
 
-def _built(build, low_precision):
+def _built(build, low_precision, only=None):
     import keras
 
     import keras_accum
@@ -86,17 +96,26 @@ def _built(build, low_precision):
     def accum(**kwargs):
         return build(keras_accum.AccumModel, accum_steps=K, **kwargs)
 
+    makers = {
+        "plain": lambda: build(keras.Model),
+        "accum": accum,
+        "plain_bf16": lambda: build(keras.Model),
+        "accum_bf16": accum,
+        "low_bf16": lambda: accum(accumulator_dtype="bfloat16"),
+    }
+    wanted = [
+        *FLOAT32_VARIANTS,
+        *(BFLOAT16_VARIANTS if low_precision else ()),
+    ]
+    wanted = [v for v in wanted if only is None or v in only]
     # All built before any is measured: an allocator's peak depends on
     # what was allocated and freed before (docs/benchmarks.md).
-    built = [("plain", build(keras.Model)), ("accum", accum())]
-    if low_precision:
-        keras.config.set_dtype_policy("bfloat16")
+    built = []
+    for variant in wanted:
+        if variant in BFLOAT16_VARIANTS:
+            keras.config.set_dtype_policy("bfloat16")
         try:
-            built += [
-                ("plain_bf16", build(keras.Model)),
-                ("accum_bf16", accum()),
-                ("low_bf16", accum(accumulator_dtype="bfloat16")),
-            ]
+            built.append((variant, makers[variant]()))
         finally:
             keras.config.set_dtype_policy("float32")
     return built
@@ -152,7 +171,7 @@ def _requested_peak(logdir):
     return peak
 
 
-def _tensorflow(xla, models, low_precision=False):
+def _tensorflow(xla, models, low_precision=False, only=None):
     import tensorflow as tf
 
     if not xla:
@@ -160,7 +179,7 @@ def _tensorflow(xla, models, low_precision=False):
         tf.config.threading.set_intra_op_parallelism_threads(1)
     info = tf.config.experimental.get_memory_info
     results = {}
-    for name, variant, model, x, y in _variants(models, low_precision):
+    for name, variant, model, x, y in _variants(models, low_precision, only):
         _compile(model, jit_compile=xla)
         for _ in range(2):  # Slots, accumulators, the traced step.
             model.fit(x, y, batch_size=B, verbose=0)
@@ -182,11 +201,11 @@ def _tensorflow(xla, models, low_precision=False):
     return results
 
 
-def _jax(models, low_precision=False):
+def _jax(models, low_precision=False, only=None):
     import jax
 
     results = {}
-    for name, variant, model, x, y in _variants(models, low_precision):
+    for name, variant, model, x, y in _variants(models, low_precision, only):
         _compile(model)
         model.fit(x, y, batch_size=B, verbose=0)
         state = model._get_jax_state(
@@ -206,15 +225,15 @@ def _jax(models, low_precision=False):
     return results
 
 
-def _child(kind, models, low_precision):
+def _child(kind, models, low_precision, only=None):
     if kind == "jax":
-        results = _jax(models, low_precision)
+        results = _jax(models, low_precision, only)
     else:
-        results = _tensorflow(kind == "xla", models, low_precision)
+        results = _tensorflow(kind == "xla", models, low_precision, only)
     print("RESULTS " + json.dumps(results))
 
 
-def _run(kind, models, low_precision=False):
+def _run(kind, models, low_precision=False, only=None):
     backend = "jax" if kind == "jax" else "tensorflow"
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     # TensorFlow's CPU allocator keeps statistics only as the BFC allocator,
@@ -227,6 +246,7 @@ def _run(kind, models, low_precision=False):
             f"--child={kind}",
             f"--models={','.join(models)}",
             *(["--low-precision"] if low_precision else []),
+            *([f"--variants={','.join(only)}"] if only else []),
         ],
         env=env,
         capture_output=True,
@@ -251,6 +271,11 @@ def main():
         action="store_true",
         help="also under the bfloat16 policy, with bfloat16 accumulators",
     )
+    parser.add_argument(
+        "--variants",
+        help="only these of plain, accum (and with --low-precision "
+        "plain_bf16, accum_bf16, low_bf16), comma-separated; no tables",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -261,10 +286,27 @@ def main():
     unknown = set(kinds) - {"graph", "xla", "jax"}
     if unknown:
         parser.error(f"--kinds: unknown {sorted(unknown)}")
+    only = args.variants.split(",") if args.variants else None
+    known = FLOAT32_VARIANTS + (BFLOAT16_VARIANTS if args.low_precision else ())
+    unknown = set(only or ()) - set(known)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}")
     if args.child:
-        _child(args.child, models, args.low_precision)
+        _child(args.child, models, args.low_precision, only)
         return
-    results = {kind: _run(kind, models, args.low_precision) for kind in kinds}
+    results = {
+        kind: _run(kind, models, args.low_precision, only) for kind in kinds
+    }
+    if only:
+        print(json.dumps(results, indent=1))
+    else:
+        _print_tables(results, models, args.low_precision)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def _print_tables(results, models, low_precision):
     print("step memory beyond the state, in P (trainable weights' size)")
     print(
         f"{'backend':<8} {'model':<5} {'figure':<10} {'Model(B)':>9} "
@@ -282,11 +324,8 @@ def main():
                     f"{kind:<8} {model:<5} {figure:<10} {plain:>9.3f} "
                     f"{accum:>11.3f} {accum - plain:>+11.3f}"
                 )
-    if args.low_precision:
+    if low_precision:
         _print_low_precision(results, models)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 def _print_low_precision(results, models):

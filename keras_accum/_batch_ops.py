@@ -186,17 +186,27 @@ class BatchOps(Protocol):
         its draws those piece `i` starts at, no gradients recorded."""
         ...
 
-    def whole_loss(self, state, data, y_pred):
-        """`(state, _output_grads.OutputGrads)` of the whole batch's
-        `data = (x, y, sample_weight)` and outputs; the compiled metrics
-        updated with them."""
+    def loss_scale(self, state):
+        """The factor the optimizer's `scale_loss` puts on a loss in this
+        step (a float32 scalar: a `LossScaleOptimizer`'s dynamic scale, or
+        `loss_scale_factor`); None where it scales nothing."""
         ...
 
-    def vjp_piece(self, state, x, output_grads, start, i, last: bool):
+    def whole_loss(self, state, data, y_pred, scale=None):
+        """`(state, _output_grads.OutputGrads)` of the whole batch's
+        `data = (x, y, sample_weight)` and outputs, its gradients those of
+        the loss times `scale` (`loss_scale`; None: unscaled); the
+        compiled metrics updated with them."""
+        ...
+
+    def vjp_piece(
+        self, state, x, output_grads, start, i, last: bool, scale=None
+    ):
         """`(state, gradients, extra)`: piece `i` forward again (the same
         draws), and the vector-Jacobian product of its outputs with
         `output_grads`; on the `last` piece plus the gradient of the
-        model's own losses, whose value is `extra` (None elsewhere)."""
+        model's own losses times `scale` (`loss_scale`), `extra` their
+        value so scaled (None elsewhere)."""
         ...
 
     def add_piece(self, state, grads, share, count, closes: bool):
@@ -222,6 +232,19 @@ class BatchOps(Protocol):
 
     def device_count(self) -> int:
         """The devices the step's batch is split over."""
+        ...
+
+    def unsupported_devices(self) -> str | None:
+        """Where the devices are laid out in a way the whole-batch step
+        does not make exact: what they are, for the error (e.g. "under
+        MultiWorkerMirroredStrategy over 2 workers"); None where it
+        does."""
+        ...
+
+    def global_rows(self, rows):
+        """The rows of the batch over every device, from `rows` (a split's
+        `batch_size`): the batch the whole-batch loss sees and its logs
+        are weighted by."""
         ...
 
     # -- Keras's functions around the step (`_sizing.SplitFunction`) ----------
@@ -405,9 +428,15 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     y_pred = batch_ops.join(looped.collected, last_pred, split)
 
     # The loss on the whole batch, and its gradient with respect to the
-    # outputs; the metrics see the whole batch once.
+    # outputs; the metrics see the whole batch once. Under loss scaling
+    # the loss is scaled before it is differentiated, as `keras.Model`
+    # scales it: the output gradient of float16 outputs would underflow
+    # otherwise. The window holds scaled gradients, which the optimizer
+    # unscales (or skips, lowering its scale) at the close, as for the
+    # split mode's windows.
+    scale = batch_ops.loss_scale(state)
     state, found = batch_ops.whole_loss(
-        looped.carry, (x, y, sample_weight), y_pred
+        looped.carry, (x, y, sample_weight), y_pred, scale
     )
     output_grads = found.y_pred
     zero = ops.zeros((), "float32")
@@ -444,17 +473,28 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     # batch counts its weights' regularization) and the gradient of the
     # weights the loss reads itself.
     state, grads, extra = batch_ops.vjp_piece(
-        looped.carry, last_x, last_grads, start, split.count - 1, last=True
+        looped.carry,
+        last_x,
+        last_grads,
+        start,
+        split.count - 1,
+        last=True,
+        scale=scale,
     )
     grads = [
         g if w is None else (w if g is None else g + ops.cast(w, g.dtype))
         for g, w in zip(grads, found.weights, strict=True)
     ]
-    loss = ops.cast(found.loss, "float32") + ops.cast(extra, "float32")
+    extra = ops.cast(extra, "float32")
+    if scale is not None:
+        extra = extra / scale
+    loss = ops.cast(found.loss, "float32") + extra
     share = _window.Share(None, 0.0, loss, batch_ops.rows_of(last_x))
     state = batch_ops.add_piece(state, grads, share, split.count, closes=True)
     state = batch_ops.seeds_finish(state, start, split.count - 1)
-    return batch_ops.train_result(state, split.batch_size)
+    return batch_ops.train_result(
+        state, batch_ops.global_rows(split.batch_size)
+    )
 
 
 def whole_batch_test_step(batch_ops: BatchOps, state, data):
@@ -479,7 +519,9 @@ def whole_batch_test_step(batch_ops: BatchOps, state, data):
     state, loss = batch_ops.whole_test(
         looped.carry, (x, y, sample_weight), y_pred
     )
-    return batch_ops.test_result(state, loss, split.batch_size)
+    return batch_ops.test_result(
+        state, loss, batch_ops.global_rows(split.batch_size)
+    )
 
 
 def check_whole_batch(model, batch_ops) -> None:
@@ -488,14 +530,6 @@ def check_whole_batch(model, batch_ops) -> None:
     from keras_accum import _coupling
 
     _coupling.check_no_coupling(model)
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        raise NotImplementedError(
-            "`whole_batch_loss=True` is not yet supported with loss scaling "
-            "(a `LossScaleOptimizer`, or a mixed-precision policy with "
-            "float16): train in float32 or bfloat16, or without "
-            "`whole_batch_loss`. Received: optimizer="
-            f"{type(model.optimizer).__name__}, whole_batch_loss=True"
-        )
     regularized = [
         layer.name
         for layer in _compat.sublayers(model, include_self=False)
@@ -517,12 +551,14 @@ def check_whole_batch(model, batch_ops) -> None:
             "scale: give `PseudoBatchLogger` `noise_scale=False`, or train "
             "without `whole_batch_loss`. Received: whole_batch_loss=True"
         )
-    devices = batch_ops.device_count()
-    if devices > 1:
+    refused = batch_ops.unsupported_devices()
+    if refused is not None:
         raise NotImplementedError(
-            "`whole_batch_loss=True` runs on one device for now: the loss "
-            "would need the outputs of every device's rows. Received: "
-            f"whole_batch_loss=True on {devices} devices"
+            "`whole_batch_loss=True` runs on one device, under JAX's "
+            "`keras.distribution.DataParallel` and under TensorFlow's "
+            "`MirroredStrategy` (one worker), where the loss sees the global "
+            "batch; not yet elsewhere. Train on one of these, or without "
+            f"`whole_batch_loss`. Received: whole_batch_loss=True {refused}"
         )
 
 
@@ -623,6 +659,12 @@ class BaseBatchOps:
     def can_redo(self) -> bool:
         return True
 
+    def unsupported_devices(self) -> str | None:
+        return None
+
+    def global_rows(self, rows):
+        return rows
+
 
 class EagerStateOps(BaseBatchOps):
     """The pieces of a step that changes the model's variables in place
@@ -694,17 +736,22 @@ class EagerStateOps(BaseBatchOps):
         with self.without_gradients():
             return state, self.model(x, training=True)
 
-    def whole_loss(self, state, data, y_pred):
+    def loss_scale(self, state):
+        return scale_of(self.model.optimizer)
+
+    def whole_loss(self, state, data, y_pred, scale=None):
         model = self.model
-        found = self.primitives.loss_and_output_grads(model, data, y_pred)
+        found = self.primitives.loss_and_output_grads(
+            model, data, y_pred, scaled_by(scale)
+        )
         x, y, sample_weight = data
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return state, found
 
-    def vjp_piece(self, state, x, output_grads, start, i, last):
+    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
         replay, values = start
         replay.enter(values, i)
-        extra_loss = model_losses(self.model) if last else None
+        extra_loss = model_losses(self.model, scale) if last else None
         found = self.primitives.piece_vjp(
             self.model, x, output_grads, extra_loss
         )
@@ -731,9 +778,31 @@ class EagerStateOps(BaseBatchOps):
         return state, _compat.unscale_loss_for_distribution(loss)
 
 
-def model_losses(model) -> Callable:
+def scale_of(optimizer):
+    """The factor `optimizer.scale_loss` puts on a loss (a float32 scalar,
+    read now: a `LossScaleOptimizer`'s dynamic scale, or
+    `loss_scale_factor`); None where it scales nothing."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and (
+        getattr(optimizer, "loss_scale_factor", None) is None
+    ):
+        return None
+    return ops.cast(optimizer.scale_loss(ops.ones((), "float32")), "float32")
+
+
+def scaled_by(scale) -> Callable | None:
+    """The `scale_loss` of `_output_grads`' primitives: times `scale`
+    (`scale_of`), or None where `scale` is None."""
+    if scale is None:
+        return None
+    return lambda loss: loss * ops.cast(scale, loss.dtype)
+
+
+def model_losses(model, scale=None) -> Callable:
     """`extra_loss(y_pred, losses)` of the last piece's forward pass: the
-    model's own losses, added as `keras.Model` adds them to its loss.
+    model's own losses, added as `keras.Model` adds them to its loss, times
+    `scale` where given (the loss scale, `scale_of`).
 
     Weight regularization is the batch's whatever the piece. A loss that
     `call` adds from the data (`add_loss`) would be the last piece's only:
@@ -752,18 +821,22 @@ def model_losses(model) -> Callable:
                 "`compute_loss` from the batch's outputs, or train without "
                 "`whole_batch_loss`. Received: whole_batch_loss=True"
             )
-        return _model_losses(y_pred, losses)
+        total = _model_losses(y_pred, losses)
+        return total if scale is None else total * scale
 
     return extra_loss
 
 
 def _model_losses(y_pred, losses):
     """The model's own losses of a forward pass, added as `keras.Model`
-    adds them to its loss (a float32 zero where there are none)."""
+    adds them to its loss (a float32 zero where there are none): under
+    `tf.distribute`, divided by the replica count, as Keras divides them
+    on each replica (every replica's last piece adds them; the window sums
+    the replicas)."""
     total = ops.zeros((), "float32")
     for value in losses:
         total = total + ops.cast(value, "float32")
-    return total
+    return _compat.scale_loss_for_distribution(total)
 
 
 # -- Helpers ------------------------------------------------------------------

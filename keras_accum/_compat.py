@@ -64,6 +64,7 @@ from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
 # batch's sample weights by its mask as `"mean_with_sample_weight"` does.
 from keras.src.losses.loss import (  # noqa: E402
     apply_mask,
+    scale_loss_for_distribution,
     unscale_loss_for_distribution,
 )
 
@@ -115,6 +116,7 @@ __all__ = [
     "model_being_cloned",
     "optimizer_strategy",
     "print_msg",
+    "scale_loss_for_distribution",
     "unscale_loss_for_distribution",
     "warn_if_untested",
 ]

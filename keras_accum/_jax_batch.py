@@ -7,14 +7,31 @@ splits its own rows (the batch's shards along the batch axis): a piece
 takes as many rows from every device and stays where its rows are. Every
 shape of batch is compiled, and so sized, on its own.
 
-The loop's structure, measured on XLA:CPU (a small CNN, 8 pieces of 32,
-CPU time per sample against the classic mode's, and the compiled step's
-temporaries in units of the trainable weights' size P): `fori_loop` 5.8x,
-382 P (the classic step: 206 P); `fori_loop(unroll=2)` 5.4x, 733 P;
-`scan` 5.9x, 382 P; a Python loop (unrolled in the trace) 1.6x, 1434 P.
-XLA:CPU runs a loop's body far slower than the same ops unrolled, but only
-a loop keeps one piece's activations at a time, which is what the split
-mode is for: `fori_loop` it is.
+On a CPU the loop's body is traced with its convolutions in the one
+layout XLA:CPU runs fast (`cpu_convolutions`): XLA puts them there only
+at the program's top level, and those autodiff writes for a gradient (the
+kernel's, with the batch as the summed axis; the input's, with the
+kernel's axes swapped) ran in the loop as XLA's generic loop nests.
+
+The loop's structure, measured on XLA:CPU (`bench_micro_batch.py`'s small
+CNN, 8 pieces of 32, on 2 shared cores: CPU time per sample against the
+classic mode's, median of 5 rounds, then with the convolutions in the fast
+layout; the compiled step's temporaries in units of the trainable
+weights' size P, the classic step's being 206 P):
+
+- `fori_loop`: 6.2x, fast layout 1.05x; 382 P;
+- `scan` over the pieces' indices: 5.95x, 1.05x; 382 P;
+- `fori_loop(unroll=2)`: 5.2x, 1.21x; 733 P (two pieces' activations);
+- `scan` over the batch reshaped to (pieces, rows, ...), the last piece
+  after it: 6.5x, 1.08x; 387 P;
+- a Python loop (unrolled in the trace): 1.37x, 1.37x; 1434 P, 2837 P
+  at 16 pieces (`fori_loop`: 382 P still).
+
+`fori_loop` with the fast layout it is: the fastest, one piece's
+activations at a time. Its compiled loop already carries only what the
+pieces change: the weights pass through uncopied, the optimizer's state
+stays outside, the accumulators are written in place (the step donates
+its state). `lax.map` has no carry: it would keep every piece's gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import contextlib
 import jax
 import jax.experimental.sparse
 import keras
+from jax.extend import core as jaxpr_core
 
 from keras_accum import _batch_ops, _compat, _jax_devices, _jax_ops, _sizing
 from keras_accum._batch_ops import Looped, Split
@@ -35,6 +53,8 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.shards = _jax_devices.data_shards()
+        # XLA:CPU's convolutions in the loop need their layout written.
+        self.cpu = jax.devices()[0].platform == "cpu"
 
     # -- The batch ------------------------------------------------------------
 
@@ -65,6 +85,8 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
     def loop(self, count, body, carry, collect=None):
         if count <= 0:
             return Looped(carry, None, None)
+        if self.cpu:
+            body = cpu_convolutions(body)
         if collect is None:
             return Looped(jax.lax.fori_loop(0, count, body, carry), None, None)
         carry, stacked = jax.lax.scan(
@@ -296,6 +318,22 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
     def device_count(self):
         return self.shards
 
+    def unsupported_devices(self):
+        # The step sees global arrays: pieces take every device's rows in
+        # place, and the loss the joined batch. Made exact and tested under
+        # `DataParallel` in one process only.
+        distribution = keras.distribution.distribution()
+        if self.shards > 1 and not isinstance(
+            distribution, keras.distribution.DataParallel
+        ):
+            return (
+                f"under {type(distribution).__name__} ({self.shards} "
+                "devices along the batch axis)"
+            )
+        if jax.process_count() > 1:
+            return f"over {jax.process_count()} processes"
+        return None
+
     def seeds_start(self, state):
         from keras_accum import _seeds
 
@@ -320,14 +358,26 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         y_pred = jax.lax.stop_gradient(y_pred)
         return (trainable, non_trainable, optimizer_and_window, metrics), y_pred
 
-    def whole_loss(self, state, data, y_pred):
+    def loss_scale(self, state):
+        # Read from the step's optimizer values (its dynamic scale).
+        optimizer = self.model.optimizer
+        values = state[2][: len(optimizer.variables)]
+        mapping = list(zip(optimizer.variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return _batch_ops.scale_of(optimizer)
+
+    def whole_loss(self, state, data, y_pred, scale=None):
         from keras_accum import _jax_output_grads
 
         model = self.model
         trainable, non_trainable, optimizer_and_window, metrics = state
         found, (non_trainable, metrics) = (
             _jax_output_grads.stateless_loss_and_output_grads(
-                model, (trainable, non_trainable, metrics), data, y_pred
+                model,
+                (trainable, non_trainable, metrics),
+                data,
+                y_pred,
+                _batch_ops.scaled_by(scale),
             )
         )
         x, y, sample_weight = data
@@ -337,7 +387,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         metrics = current_values(scope, model.metrics_variables)
         return (trainable, non_trainable, optimizer_and_window, metrics), found
 
-    def vjp_piece(self, state, x, output_grads, start, i, last):
+    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
         from keras_accum import _jax_output_grads
 
         model = self.model
@@ -348,7 +398,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
             self._entered(non_trainable, start, i),
             x,
             output_grads,
-            _batch_ops.model_losses(model) if last else None,
+            _batch_ops.model_losses(model, scale) if last else None,
         )
         state = (trainable, non_trainable, optimizer_and_window, metrics)
         return state, found.weights, found.extra
@@ -366,6 +416,11 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         backend = _jax_devices.ops_class(window_state)(
             accumulators, model.optimizer, trainable, optimizer_values
         )
+        if window_state.partial_sums:
+            # Each device's partial sum (`_jax_devices`): the whole batch's
+            # gradient, reduced already, counts on the first.
+            slots = int(accumulators[0].shape[0]) if accumulators else 1
+            grads = _jax_devices.in_first_slot(grads, slots)
         updates = optimizer_values[iterations_index(model.optimizer)]
         counters, complete = _window.accumulate(
             counters, backend, grads, share, model._plan(updates, count)
@@ -494,3 +549,122 @@ def _joined(stacked, last, shards):
     tail = last.reshape((shards, -1, *features))
     joined = jax.numpy.concatenate([loop, tail], axis=1)
     return joined.reshape((-1, *features))
+
+
+# -- XLA:CPU's convolutions in a loop ------------------------------------------
+
+
+def cpu_convolutions(body):
+    """`body` (a loop's) with every convolution in the one layout XLA:CPU
+    runs fast (inputs and outputs NHWC, kernel HWIO), transposes around it.
+
+    XLA:CPU puts convolutions in that layout in the program's top level
+    only (`ConvCanonicalization`); in a loop's body, those autodiff writes
+    for a gradient (kernel and batch axes swapped) ran as generic loop
+    nests, and the split step of a small CNN at 6x the classic mode's
+    time (the module's docstring). The values are the same: only axes
+    move.
+    """
+
+    def rewritten(*args):
+        closed, shape = jax.make_jaxpr(body, return_shape=True)(*args)
+        flat = jax.tree_util.tree_leaves(args)
+        if _needs_layout(closed.jaxpr):
+            out = _evaluated(closed.jaxpr, closed.consts, *flat)
+        else:  # Nothing to move: the trace is run, not traced again.
+            out = jaxpr_core.jaxpr_as_fun(closed)(*flat)
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(shape), out
+        )
+
+    return rewritten
+
+
+def _needs_layout(jaxpr) -> bool:
+    """Whether `jaxpr` (or one inside it) has a convolution in another
+    layout."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is jaxpr_core.primitives.conv_general_dilated_p:
+            if not _is_fast_layout(eqn.params["dimension_numbers"]):
+                return True
+        elif any(
+            _needs_layout(j) for j in jaxpr_core.jaxprs_in_params(eqn.params)
+        ):
+            return True
+    return False
+
+
+def _evaluated(jaxpr, consts, *args):
+    """The outputs of `jaxpr` on `args`, its convolutions (and those of the
+    closed jaxprs in its equations: loops, conditionals, calls) in the fast
+    layout."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v):
+        return v.val if isinstance(v, jaxpr_core.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        if eqn.primitive is jaxpr_core.primitives.conv_general_dilated_p:
+            out = [_fast_layout_convolution(*values, **eqn.params)]
+        else:
+            params = {k: _in_fast_layout(v) for k, v in eqn.params.items()}
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(
+                    *values, **eqn.primitive.get_bind_params(params)
+                )
+            if not eqn.primitive.multiple_results:
+                out = [out]
+        for var, value in zip(eqn.outvars, out, strict=True):
+            if not isinstance(var, jaxpr_core.DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _in_fast_layout(param):
+    """An equation's parameter, its closed jaxprs' convolutions in the fast
+    layout (an open jaxpr, as `jax.checkpoint`'s, is left as it is)."""
+    if isinstance(param, tuple):
+        return tuple(_in_fast_layout(p) for p in param)
+    if isinstance(param, jaxpr_core.ClosedJaxpr) and _needs_layout(param.jaxpr):
+        return jax.make_jaxpr(
+            lambda *args: _evaluated(param.jaxpr, param.consts, *args)
+        )(*param.in_avals)
+    return param
+
+
+def _fast_layout(dimensions: int):
+    """The dimension numbers XLA:CPU runs fast: NHWC, HWIO, NHWC."""
+    spatial = tuple(range(1, dimensions + 1))
+    return jax.lax.ConvDimensionNumbers(
+        (0, dimensions + 1, *spatial),
+        (dimensions + 1, dimensions, *range(dimensions)),
+        (0, dimensions + 1, *spatial),
+    )
+
+
+def _is_fast_layout(numbers) -> bool:
+    return tuple(numbers) == tuple(_fast_layout(len(numbers.lhs_spec) - 2))
+
+
+def _fast_layout_convolution(lhs, rhs, *, dimension_numbers, **params):
+    """`conv_general_dilated` on `lhs`, `rhs` with `dimension_numbers`,
+    computed in the fast layout (the same values)."""
+    bind = jax.lax.conv_general_dilated_p.bind
+    if _is_fast_layout(dimension_numbers):
+        return bind(lhs, rhs, dimension_numbers=dimension_numbers, **params)
+    # Each spec lists the positions of (batch or output feature, feature
+    # or input feature, spatial...).
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    dimensions = len(lhs_spec) - 2
+    lhs = jax.lax.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+    rhs = jax.lax.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+    out = bind(lhs, rhs, dimension_numbers=_fast_layout(dimensions), **params)
+    # `out` is (batch, spatial..., feature): back to `out_spec`'s order.
+    order = [0] * (dimensions + 2)
+    order[out_spec[0]] = 0
+    order[out_spec[1]] = dimensions + 1
+    for i, position in enumerate(out_spec[2:]):
+        order[position] = i + 1
+    return jax.lax.transpose(out, tuple(order))

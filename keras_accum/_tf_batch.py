@@ -278,6 +278,58 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
     def device_count(self):
         return self.model.distribute_strategy.num_replicas_in_sync
 
+    def unsupported_devices(self):
+        strategy = self.model.distribute_strategy
+        replicas = strategy.num_replicas_in_sync
+        if replicas == 1:
+            return None
+        # Not across workers (MultiWorkerMirroredStrategy), nor on TPUs:
+        # untested.
+        if type(strategy) is not tf.distribute.MirroredStrategy:
+            return f"under {type(strategy).__name__} ({replicas} replicas)"
+        return None
+
+    def global_rows(self, rows):
+        context = _replicas()
+        if context is None:
+            return rows
+        return context.all_reduce("sum", tf.cast(rows, tf.float32))
+
+    def whole_loss(self, state, data, y_pred, scale=None):
+        # Each replica runs the step on its rows: the loss sees every
+        # replica's (gathered), and each replica carries its own rows of
+        # the output gradient back. Keras's losses divide by the replica
+        # count, and the window sums the replicas: a weight the loss reads
+        # itself gets its gradient once in all, and so does the loss's log;
+        # the output gradient, whose rows the replicas share out, gets the
+        # count back.
+        context = _replicas()
+        if context is None:
+            return super().whole_loss(state, data, y_pred, scale)
+        state, found = super().whole_loss(
+            state, _gathered(context, data), _gathered(context, y_pred), scale
+        )
+        rows = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+        sizes = context.all_gather(tf.reshape(rows, [1]), axis=0)
+        start = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
+        replicas = context.num_replicas_in_sync
+        own = tf.nest.map_structure(
+            lambda g: _sliced(g, start, rows) * tf.cast(replicas, g.dtype),
+            found.y_pred,
+        )
+        return state, found._replace(y_pred=own)
+
+    def whole_test(self, state, data, y_pred):
+        # Every replica evaluates the global batch (its loss undivided by
+        # the replica count: `unscale_loss_for_distribution`); the logs
+        # average the replicas' equal values.
+        context = _replicas()
+        if context is None:
+            return super().whole_test(state, data, y_pred)
+        return super().whole_test(
+            state, _gathered(context, data), _gathered(context, y_pred)
+        )
+
     def add_piece(self, state, grads, share, count, closes):
         model = self.model
         window = model._window_for_step()
@@ -295,6 +347,34 @@ def multi_worker(strategy) -> bool:
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and _compat.in_multi_worker_mode(strategy)
+
+
+def _replicas():
+    """The replica context of a step under several replicas, else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def _gathered(context, tree):
+    """Every replica's rows of each tensor in `tree`, in the replicas'
+    order: the global batch's (None passes)."""
+
+    def gathered(t):
+        if t is None:
+            return None
+        if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
+            raise NotImplementedError(
+                "`whole_batch_loss=True` under a `tf.distribute` strategy "
+                "gathers the batch over the replicas for the loss, and does "
+                "not gather ragged or sparse tensors yet: densify them in "
+                "the input pipeline, or train on one replica. Received: a "
+                f"{type(t).__name__} in the batch"
+            )
+        return context.all_gather(t, axis=0)
+
+    return tf.nest.map_structure(gathered, tree)
 
 
 class _After(NamedTuple):

@@ -213,13 +213,3 @@ def check_whole_batch_loss_mode(micro_batch_size, whole_batch_loss) -> None:
             f"Received: micro_batch_size={micro_batch_size!r}, "
             f"whole_batch_loss={whole_batch_loss!r}"
         )
-    if whole_batch_loss and not isinstance(micro_batch_size, int):
-        # Refused where it is set, before `fit` sizes a step that would
-        # not count the batch's cached outputs and their gradient.
-        raise ValueError(
-            "`whole_batch_loss=True` does not size its pieces automatically "
-            "yet: the sizing would not count the batch's cached outputs and "
-            "their gradient. Give `micro_batch_size` as an int. Received: "
-            f"micro_batch_size={micro_batch_size!r}, "
-            f"whole_batch_loss={whole_batch_loss!r}"
-        )

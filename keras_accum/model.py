@@ -244,10 +244,15 @@ class AccumModel(_Trainer, keras.Model):
             `micro_batch_size` rows runs forward twice, its random draws
             replayed: once for the batch's outputs, once to carry the
             loss's gradient back; `evaluate` computes the loss on the
-            whole batch too. Only with an int `micro_batch_size`, on one
-            device, without loss scaling; layers that mix the samples of
-            a batch (a training `BatchNormalization`) and activity
-            regularizers are refused. Defaults to `False`.
+            whole batch too. Only with `micro_batch_size` (an int, or
+            `"auto"`, whose search measures this step: the batch's
+            outputs and their gradient included); on one device, and
+            under JAX's `DataParallel` and TensorFlow's
+            `MirroredStrategy`, the loss seeing the global batch. Loss
+            scaling scales the loss before its output gradient is taken.
+            Layers that mix the samples of a batch (a training
+            `BatchNormalization`) and activity regularizers are refused.
+            Defaults to `False`.
         *args: Passed to `keras.Model`, e.g. `inputs` and `outputs`.
         **kwargs: Passed to `keras.Model`: those it takes (`name`,
             `trainable`, `dtype`, ...); any other is refused.

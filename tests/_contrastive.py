@@ -365,3 +365,14 @@ CASES = {
     "dual_encoder": (dual_encoder, lambda n=32: pairs(n), None),
     "two_tower": (two_tower, lambda n=32: (queries(n), None), None),
 }
+
+
+def in_batch_accuracy(y_true, y_pred):
+    """A metric for `clip_model` that reads the whole batch: whether each
+    image's nearest text of the batch is its own (one value per sample)."""
+    del y_true
+    logits = ops.matmul(y_pred[:, 0], ops.transpose(y_pred[:, 1]))
+    hits = ops.equal(
+        ops.argmax(logits, axis=1), ops.arange(ops.shape(logits)[0])
+    )
+    return ops.cast(hits, "float32")

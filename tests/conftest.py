@@ -48,7 +48,46 @@ def _reason(marker, default):
     )
 
 
+# The files that take longest in CI (.ci/test's --durations lists), about
+# longest first; a file that is skipped on a backend costs nothing there.
+# .ci/test's two workers take a file each in the order collected (`--dist
+# loadfile --no-loadscope-reorder`): xdist's own order, most tests first,
+# put these files of few, long tests last, where one left a worker
+# running it alone for minutes while the other had finished.
+LONGEST_FIRST = (
+    "tests/test_benchmarks.py",
+    "tests/test_auto_micro_batch.py",
+    "tests/test_examples.py",
+    "tests/test_distribute.py",
+    "tests/test_memory.py",
+    "tests/test_robustness.py",
+    "tests/test_jax_processes.py",
+    "tests/test_low_precision.py",
+    "tests/test_auto.py",
+    "tests/test_micro_batch.py",
+    "tests/test_keras_hub.py",
+    "tests/test_sharding.py",
+    "tests/test_jax_devices.py",
+    "tests/test_window_saving.py",
+)
+
+
+def _longest_first(items):
+    """`items` by file: `LONGEST_FIRST`'s, then the others by number of
+    tests, most first (as xdist orders them); each file's own order kept."""
+    files = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    order = sorted(
+        files, key=lambda name: (rank.get(name, len(rank)), -len(files[name]))
+    )
+    items[:] = [item for name in order for item in files[name]]
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # A pytest-xdist worker.
+        _longest_first(items)
     if BACKEND == "tensorflow":
         return
     for item in items:

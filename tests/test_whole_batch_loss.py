@@ -5,11 +5,14 @@ batch for every case of `_contrastive`, on every backend."""
 import keras
 import numpy as np
 import pytest
-from _contrastive import CASES
+from _contrastive import CASES, supcon_loss
 from _helpers import assert_same_weights, max_weight_diff
 from test_output_grads import one_pass
 
 import keras_accum
+from keras_accum import _sizing
+
+BACKEND = keras.backend.backend()
 
 B = 8
 UPDATES = 3
@@ -178,18 +181,6 @@ def test_whole_batch_loss_must_be_a_bool():
         )
 
 
-def test_auto_sizes_are_refused():
-    # Not built yet: the sizing would not count the cached outputs.
-    with pytest.raises(ValueError, match="size its pieces automatically"):
-        _build(
-            "supcon",
-            keras_accum.AccumModel,
-            0.0,
-            micro_batch_size="auto",
-            whole_batch_loss=True,
-        )
-
-
 def test_the_setting_round_trips_through_the_config():
     model = _build(
         "supcon",
@@ -203,6 +194,25 @@ def test_the_setting_round_trips_through_the_config():
     assert copy.micro_batch_size == 3
     model.whole_batch_loss = False
     assert model.whole_batch_loss is False
+
+
+def test_auto_sizes_round_trip_through_config_clone_and_saving(tmp_path):
+    model = CASES["supcon"][0](
+        keras_accum.AccumModel,
+        dropout=0.0,
+        micro_batch_size="auto",
+        whole_batch_loss=True,
+    )
+    auto = keras_accum.AutoMicroBatch()
+    path = tmp_path / "whole_auto.keras"
+    model.save(path)
+    for copy in (
+        keras_accum.AccumModel.from_config(model.get_config()),
+        keras.models.clone_model(model),
+        keras.saving.load_model(path),
+    ):
+        assert copy.micro_batch_size == auto
+        assert copy.whole_batch_loss is True
 
 
 def _regularized(model_cls, activity=False, **kwargs):
@@ -269,21 +279,182 @@ def test_a_loss_added_from_the_data_is_refused():
         model.train_on_batch(x, y)
 
 
-def test_loss_scaling_is_refused():
-    model = _build(
-        "supcon",
-        keras_accum.AccumModel,
-        0.0,
-        micro_batch_size=3,
-        whole_batch_loss=True,
+# -- Loss scaling -------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def _scaled_side_by_side(name, optimizer=None, jit_compile="auto"):
+    """`_train_side_by_side` under loss scaling, float16's tolerance;
+    `optimizer()` makes each model's."""
+    models = []
+    for model_cls, kwargs in (
+        (keras.Model, {}),
+        (
+            keras_accum.AccumModel,
+            {"micro_batch_size": 3, "whole_batch_loss": True},
+        ),
+    ):
+        build, _, loss = CASES[name]
+        model = build(model_cls, dropout=0.0, **kwargs)
+        made = _optimizer("momentum") if optimizer is None else optimizer()
+        model.compile(optimizer=made, loss=loss, jit_compile=jit_compile)
+        models.append(model)
+    plain, accum = models
+    for batch in _batches(name):
+        plain_loss = plain.train_on_batch(*batch)
+        accum_loss = accum.train_on_batch(*batch)
+        # float16 forward passes: the pieces' sums round otherwise than
+        # the batch's (test_micro_batch's mixed-precision tolerance).
+        assert_same_weights(accum, plain.get_weights(), atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=2e-3)
+    assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+    # Updates applied or skipped (an overflow: TensorFlow's first siglip
+    # batch at 2^15) as the batch's, the scale the batch's.
+    applied = int(plain.optimizer.iterations)
+    assert int(accum.optimizer.iterations) == applied > 0
+    assert accum.skipped_windows == UPDATES - applied
+    assert float(accum.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy()
     )
-    model.compile(
-        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
-        loss=CASES["supcon"][2],
+    return accum, plain
+
+
+@pytest.mark.parametrize("name", ["siglip", "two_tower"])
+def test_mixed_float16_with_loss_scaling_equals_keras_model(
+    name, mixed_float16
+):
+    """Keras wraps the optimizer in a `LossScaleOptimizer`. Before: refused
+    (and without the scale the window's gradients would be 2^15 times too
+    small). The outputs are float16: their gradient is the scaled loss's."""
+    accum, plain = _scaled_side_by_side(name)
+    first = keras.tree.flatten(accum(_batches(name)[0][0]))[0]
+    assert keras.backend.standardize_dtype(first.dtype) == "float16"
+    assert max_weight_diff(plain, _build(name, keras.Model, 0.0)) > 1e-2
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="XLA is TensorFlow's option (JAX's steps are always compiled)",
+)
+def test_loss_scaling_under_xla_equals_keras_model(mixed_float16):
+    _scaled_side_by_side("two_tower", jit_compile=True)
+
+
+def test_an_explicit_loss_scale_optimizer_equals_keras_model(mixed_float16):
+    # The temperature that `compute_loss` reads itself gets the scaled
+    # loss's gradient too. (At the default scale of 2^15 this batch's
+    # float16 kernel gradient, a sum over its 8 rows, overflows where
+    # the pieces' sums over 3 do not: the robustness guide's known
+    # difference, the same for every mode.)
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.3, momentum=0.9), initial_scale=2.0**12
+        )
+
+    accum, _ = _scaled_side_by_side("dual_encoder", optimizer)
+    assert accum.optimizer.dynamic_scale.numpy() == 2.0**12
+
+
+def test_regularization_under_loss_scaling_equals_keras_model(mixed_float16):
+    # The model's own losses are scaled with the rest on the last piece;
+    # the logged loss is unscaled.
+    plain = _regularized(keras.Model)
+    accum = _regularized(
+        keras_accum.AccumModel, micro_batch_size=3, whole_batch_loss=True
     )
-    x, y = _batches("supcon")[0]
-    with pytest.raises(NotImplementedError, match="loss scaling"):
-        model.train_on_batch(x, y)
+    for x, y in _batches("supcon"):
+        plain_loss = plain.train_on_batch(x, y)
+        accum_loss = accum.train_on_batch(x, y)
+        assert_same_weights(accum, plain.get_weights(), atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.3, momentum=0.9)
+        ),
+        lambda: keras.optimizers.SGD(0.3, momentum=0.9, loss_scale_factor=64.0),
+    ],
+    ids=["loss_scale_optimizer", "loss_scale_factor"],
+)
+def test_a_scaling_optimizer_in_float32_equals_keras_model(optimizer):
+    """Before: a `loss_scale_factor` optimizer divided unscaled gradients
+    by its factor (updates 64 times too small), silently."""
+    models = {}
+    for key, model_cls, kwargs in (
+        ("plain", keras.Model, {}),
+        (
+            "accum",
+            keras_accum.AccumModel,
+            {"micro_batch_size": 3, "whole_batch_loss": True},
+        ),
+    ):
+        model = CASES["dual_encoder"][0](model_cls, dropout=0.0, **kwargs)
+        model.compile(optimizer=optimizer())
+        models[key] = model
+    for batch in _batches("dual_encoder"):
+        plain_loss = models["plain"].train_on_batch(*batch)
+        accum_loss = models["accum"].train_on_batch(*batch)
+        assert_same_weights(models["accum"], models["plain"].get_weights())
+        np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
+
+
+def _overflow_prone(model_cls, **kwargs):
+    """test_robustness's construction: targets of size ~6, at a loss scale
+    of 2^16 float16 backpropagation of a batch of 64 is near overflow."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(64, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(64, activation="tanh")(hidden)
+    model = model_cls(inputs, keras.layers.Dense(4)(hidden), **kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = x @ rng.normal(size=(32, 4)).astype("float32")
+    return model, x, y
+
+
+@pytest.mark.parametrize("log2_scale", [16, 18])
+def test_loss_scale_overflows_where_the_batch_does(mixed_float16, log2_scale):
+    # At 2^16 the batch applies its update; at 2^18 its scaled gradient
+    # overflows: the update is skipped and the scale halves, as Keras's
+    # `LossScaleOptimizer` does for the batch.
+    runs = {}
+    for name, cls, kwargs in (
+        ("plain", keras.Model, {}),
+        (
+            "accum",
+            keras_accum.AccumModel,
+            {"micro_batch_size": 8, "whole_batch_loss": True},
+        ),
+    ):
+        model, x, y = _overflow_prone(cls, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.01),
+                initial_scale=2.0**log2_scale,
+                dynamic_growth_steps=1000,
+            ),
+            loss="mse",
+        )
+        model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+        runs[name] = model
+    plain, accum = runs["plain"], runs["accum"]
+    applied = int(plain.optimizer.iterations)
+    assert applied == (1 if log2_scale == 16 else 0)
+    assert int(accum.optimizer.iterations) == applied
+    assert float(accum.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy()
+    )
+    assert accum.skipped_windows == 1 - applied
+    assert_same_weights(plain, accum, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["clip", "two_tower", "regularized"])
@@ -383,3 +554,84 @@ def test_the_noise_scale_is_refused():
     logger = keras_accum.PseudoBatchLogger(noise_scale=True)
     with pytest.raises(NotImplementedError, match="noise scale"):
         model.fit(x, y, batch_size=B, callbacks=[logger], verbose=0)
+
+
+# -- "auto" sizes: the search measures the whole-batch step -------------------
+#
+# Wide outputs (8192 floats a sample, normalized embeddings for a SupCon
+# loss) behind wider activations (64K floats a sample): the whole-batch
+# step holds the batch's outputs and their gradient (and the loss's
+# temporaries over them) while each piece runs, which the split step's
+# pieces do not.
+
+B_AUTO = 32
+
+
+def _wide_outputs(model_cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(128, activation="relu")(inputs)
+    hidden = keras.layers.Reshape((1, 128))(hidden)
+    hidden = keras.layers.UpSampling1D(512)(hidden)
+    hidden = keras.layers.Flatten()(keras.layers.Dense(16)(hidden))
+    outputs = keras.layers.UnitNormalization()(hidden)
+    model = model_cls(inputs, outputs, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=supcon_loss)
+    return model
+
+
+def _probing(model, data):
+    """The library's `measure(size)` of the model's train step on `data`:
+    JAX's compiled figures, TensorFlow's allocator figures of a probe step
+    (`BatchOps.probing`), the model's variables restored after."""
+    ops = model._batch_ops_class(model)
+    state = ()
+    if BACKEND == "jax":
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+    return ops.probing("train", data, state)
+
+
+@pytest.mark.skipif(
+    BACKEND == "torch",
+    reason="PyTorch on a CPU has no allocator figures: 'auto' is refused "
+    "there (test_auto_micro_batch)",
+)
+def test_auto_counts_the_cached_outputs_and_trains_as_keras_model():
+    rng = np.random.default_rng(0)
+    x = rng.random((2 * B_AUTO, 64), dtype=np.float32)
+    y = rng.integers(0, 4, 2 * B_AUTO).astype("float32")
+    batches = [(x[:B_AUTO], y[:B_AUTO]), (x[B_AUTO:], y[B_AUTO:])]
+    plain = _wide_outputs(keras.Model)
+    model = _wide_outputs(
+        keras_accum.AccumModel, micro_batch_size=8, whole_batch_loss=True
+    )
+    common = {"batch_size": B_AUTO, "shuffle": False, "verbose": 0}
+    # The limit: the whole-batch step's peak at 8, measured.
+    model.fit(*batches[0], **common)
+    with _probing(model, batches[1]) as measure:
+        limit = measure(8)
+    model.micro_batch_size = keras_accum.AutoMicroBatch(
+        memory_limit=limit, margin=0.0
+    )
+    model.fit(*batches[1], **common)
+    (whole,) = model.micro_batch_choices
+    assert whole["step"] == "train" and whole["budget"] == limit
+    assert whole["predicted_peak"] <= limit
+    chosen = whole["micro_batch_size"]
+    for batch in batches:
+        plain.train_on_batch(*batch)
+    assert_same_weights(model, plain.get_weights())
+    # The split step's pieces hold no batch's outputs: under the same
+    # limit its search (the library's, on the same figures) takes larger
+    # pieces.
+    model.whole_batch_loss = False
+    exact, _ = model._batch_ops_class(model).sizing_method()
+    with _probing(model, batches[1]) as measure:
+        split, peak, _ = _sizing.search(measure, B_AUTO, limit, exact)
+    assert peak <= limit
+    assert chosen < split
