@@ -148,9 +148,10 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
                     raise
                 # The redone batch was the data's last.
                 return outputs
-            except Exception as error:
+            except BaseException as error:
                 # The failed step's batch is taken out of the graph's
-                # keeping whatever the error: the next call keeps its own.
+                # keeping whatever the error (an interrupt too): the next
+                # call's step would wait for the room.
                 failed = graph.failed_step()
                 if failed is None or not self.is_out_of_memory(error):
                     raise
@@ -384,16 +385,15 @@ class GraphTrainFunction:
     def __init__(self, model, parts, spec) -> None:
         self.parts = parts
         self.spec = spec
-        self.components = len(tf.nest.flatten(spec, expand_composites=True))
-        dtypes = [
-            s.dtype for s in tf.nest.flatten(spec, expand_composites=True)
-        ]
+        specs = tf.nest.flatten(spec, expand_composites=True)
+        self.components = len(specs)
         with tf.init_scope(), tf.device("/device:CPU:0"):
             self.queue = tf.queue.FIFOQueue(
-                1, dtypes + [part.dtype for part in parts]
+                1, [s.dtype for s in specs] + [part.dtype for part in parts]
             )
             self.done = tf.Variable(0, dtype=tf.int32, trainable=False)
         self.steps = {}
+        self.every = model.steps_per_execution
         strategy = model.distribute_strategy
 
         def one_step(data):
@@ -406,59 +406,59 @@ class GraphTrainFunction:
                 jit_compile=bool(model.jit_compile),
                 autograph=False,
             )
+        self.one_step = one_step
+        self.function = tf.function(
+            self._steps_on_iterator, reduce_retracing=True, autograph=False
+        )
 
-        def kept_step(data):
-            flat = tf.nest.flatten(data, expand_composites=True)
-            values = [part.read_value() for part in parts]
-            put = self.queue.enqueue(flat + values)
-            with tf.control_dependencies([put]):
-                data = tf.nest.map_structure(
-                    tf.identity, data, expand_composites=True
-                )
-            outputs = one_step(data)
-            with tf.control_dependencies(tf.nest.flatten(outputs)):
-                dropped = self.queue.dequeue()
-                counted = self.done.assign_add(1)
-            # The outputs wait for the batch to be dropped.
-            with tf.control_dependencies([*dropped, counted]):
-                return tf.nest.map_structure(tf.identity, outputs)
-
-        every = model.steps_per_execution
-
-        def steps_on_iterator(iterator, steps):
-            with tf.control_dependencies([self.done.assign(0)]):
-                outputs = kept_step(iterator.get_next())
-            if every == 1:
-                return outputs
-
-            def more(i, outputs):
-                return i < steps
-
-            def step(i, outputs):
-                optional = iterator.get_next_as_optional()
-                has = optional.has_value()
-                outputs = tf.cond(
-                    has,
-                    lambda: kept_step(optional.get_value()),
-                    lambda: outputs,
-                )
-                # No batch left: the loop ends.
-                return tf.where(has, i + 1, steps), outputs
-
-            invariants = tf.nest.map_structure(
-                lambda t: tf.TensorShape(None), outputs
+    def _kept_step(self, data):
+        """One step on `data`, which waits for the batch and the values
+        the step writes to be kept, and drops them once done."""
+        flat = tf.nest.flatten(data, expand_composites=True)
+        values = [part.read_value() for part in self.parts]
+        put = self.queue.enqueue(flat + values)
+        with tf.control_dependencies([put]):
+            data = tf.nest.map_structure(
+                tf.identity, data, expand_composites=True
             )
-            _, outputs = tf.while_loop(
-                more,
-                step,
-                (tf.constant(1), outputs),
-                shape_invariants=(tf.TensorShape([]), invariants),
-            )
+        outputs = self.one_step(data)
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            dropped = self.queue.dequeue()
+            counted = self.done.assign_add(1)
+        # The outputs wait for the batch to be dropped.
+        with tf.control_dependencies([*dropped, counted]):
+            return tf.nest.map_structure(tf.identity, outputs)
+
+    def _steps_on_iterator(self, iterator, steps):
+        with tf.control_dependencies([self.done.assign(0)]):
+            outputs = self._kept_step(iterator.get_next())
+        if self.every == 1:
             return outputs
 
-        self.function = tf.function(
-            steps_on_iterator, reduce_retracing=True, autograph=False
+        def more(i, outputs):
+            return i < steps
+
+        def step(i, outputs):
+            optional = iterator.get_next_as_optional()
+            has = optional.has_value()
+            outputs = tf.cond(
+                has,
+                lambda: self._kept_step(optional.get_value()),
+                lambda: outputs,
+            )
+            # No batch left: the loop ends.
+            return tf.where(has, i + 1, steps), outputs
+
+        invariants = tf.nest.map_structure(
+            lambda t: tf.TensorShape(None), outputs
         )
+        _, outputs = tf.while_loop(
+            more,
+            step,
+            (tf.constant(1), outputs),
+            shape_invariants=(tf.TensorShape([]), invariants),
+        )
+        return outputs
 
     def __call__(self, iterator, steps: int):
         """The last step's outputs of up to `steps` steps on `iterator`'s
