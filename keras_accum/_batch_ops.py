@@ -16,10 +16,10 @@ between backends is behind `BatchOps`, the way the window's rules
   (`train_piece`, `evaluate_piece`, `predict_piece`), and the step's
   result (`train_result`, `test_result`, `predict_result`);
 - Keras's functions around the step (`unpack_call`, `pack_call`,
-  `step_result`, `call_result`) and what `_sizing.SplitFunction` needs to
-  size the pieces and redo a batch that ran out of memory (`snapshot`,
-  `restore`, `give_up`, `is_out_of_memory`, `probing`, `device_memory`,
-  `sizing_method`, `fresh`).
+  `step_result`, `call_result`, `train_call`) and what
+  `_sizing.SplitFunction` needs to size the pieces and redo a batch that
+  ran out of memory (`snapshot`, `restore`, `give_up`, `is_out_of_memory`,
+  `probing`, `device_memory`, `sizing_method`, `fresh`).
 
 `BaseBatchOps` holds what backends share; `EagerStateOps` the pieces of the
 backends whose step changes the variables in place (TensorFlow, PyTorch);
@@ -263,6 +263,14 @@ class BatchOps(Protocol):
 
     def call_result(self, outputs, state):
         """A train function's return, from its last step's."""
+        ...
+
+    def train_call(self, function, args):
+        """A call of the train function `function` (a
+        `_sizing.SplitFunction`) with Keras's `args`: up to
+        `steps_per_execution` steps, a step that ran out of memory redone
+        on its own batch (`BaseBatchOps`: `function.train_each`, the
+        batches taken in Python)."""
         ...
 
     # -- Sizing the pieces, and redoing a batch --------------------------------
@@ -664,6 +672,9 @@ class BaseBatchOps:
 
     def global_rows(self, rows):
         return rows
+
+    def train_call(self, function, args):
+        return function.train_each(args)
 
 
 class EagerStateOps(BaseBatchOps):

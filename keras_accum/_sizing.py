@@ -235,10 +235,13 @@ class SplitFunction:
     """One of Keras's train, test or predict functions, the micro-batch
     sized for each batch before its step runs.
 
-    A train function takes its batches one at a time (`steps_per_execution`
-    of them per call, as Keras's own), so that a step that runs out of
-    memory can be redone on its own batch; a test or predict function
-    passes its batches on to Keras's once the size is known.
+    A train function runs `steps_per_execution` steps per call, as Keras's
+    own, so that a step that runs out of memory is redone on its own
+    batch (`BatchOps.train_call`: on TensorFlow in the graph, the failed
+    batch kept there; elsewhere, or where a batch must be seen to size it,
+    `train_each` takes the batches in Python one at a time); a test or
+    predict function passes its batches on to Keras's once the size is
+    known.
 
     Args:
         batch_ops: The model's `BatchOps`.
@@ -253,12 +256,19 @@ class SplitFunction:
 
     def __call__(self, *args):
         ops = self.ops
+        if self.kind == "train":
+            return ops.train_call(self, args)
         state, batches = ops.unpack_call(self.kind, args)
-        if self.kind != "train":
-            first = next(batches)
-            self.size_for(first, state)
-            batches = itertools.chain([first], batches)
-            return self.inner(*ops.pack_call(self.kind, state, batches))
+        first = next(batches)
+        self.size_for(first, state)
+        batches = itertools.chain([first], batches)
+        return self.inner(*ops.pack_call(self.kind, state, batches))
+
+    def train_each(self, args):
+        """A train function's call, its batches taken out of the iterator
+        in Python one at a time, each step run on its own (`_train_on`)."""
+        ops = self.ops
+        state, batches = ops.unpack_call(self.kind, args)
         outputs = None
         for index in range(ops.model.steps_per_execution):
             try:
@@ -288,6 +298,34 @@ class SplitFunction:
                 if not self._shrink(batch, size, error):
                     ops.give_up(state)
                     raise
+
+    def redo(self, batch, state, size: int, error: Exception):
+        """`(outputs, state)` of `batch`'s train step redone at a smaller
+        size, after it ran out of memory at `size` (raising `error`) and
+        was undone; raises `error` where no smaller size can run."""
+        if not self._shrink(batch, size, error):
+            self.ops.give_up(state)
+            raise error
+        return self._train_on(batch, state)
+
+    def settled_size(self) -> int | None:
+        """The size the next train step splits its batch into, where no
+        batch is needed to know it (an int setting, or one `"auto"` chose
+        below a batch's size); else None. Recorded as `size_for` would."""
+        ops = self.ops
+        split = ops.sizes
+        key = (self.kind, None)
+        size = split.sizes.get(key)
+        if isinstance(ops.setting, AutoMicroBatch):
+            # A batch larger than the one "auto" chose the whole of would
+            # be searched again: only its rows tell.
+            if size is None or key in split.bounded_by_batch:
+                return None
+        elif size is None:
+            size = min(ops.setting, split.shrunk.get(self.kind, ops.setting))
+            split.sizes[key] = size
+        split.active[self.kind] = size
+        return size
 
     def size_for(self, batch, state) -> int:
         """The size this kind of step splits `batch` into; chosen (and

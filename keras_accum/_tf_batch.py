@@ -121,6 +121,73 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
     def pack_call(self, kind, state, batches):
         return (list(batches),) if kind == "predict" else (batches,)
 
+    def train_call(self, function, args):
+        (iterator,) = args
+        model = self.model
+        if (
+            model.run_eagerly
+            or not isinstance(iterator, tf.data.Iterator)
+            or _has_optionals(iterator.element_spec)
+        ):
+            # Keras's own function takes these batches in Python too (a
+            # list's iterator, `train_on_batch`'s) or eagerly; a
+            # distributed iterator's per-replica batches go through the
+            # Python path (`GraphTrainFunction`).
+            return function.train_each(args)
+        size = function.settled_size()
+        if size is None:  # "auto" sizes from the batch itself.
+            return function.train_each(args)
+        outputs = None
+        steps = model.steps_per_execution
+        while True:
+            graph, call = self._graph_train(function.inner, iterator)
+            try:
+                return call(iterator, steps)
+            except tf.errors.OutOfRangeError:
+                if outputs is None:
+                    raise
+                # The redone batch was the data's last.
+                return outputs
+            except BaseException as error:
+                # The failed step's batch is taken out of the graph's
+                # keeping whatever the error (an interrupt too): the next
+                # call's step would wait for the room.
+                failed = graph.failed_step()
+                if failed is None or not self.is_out_of_memory(error):
+                    raise
+                done, batch, kept = failed
+                self.restore(kept, (), error)
+                oom = error
+            outputs, _ = function.redo(batch, (), size, oom)
+            steps -= done + 1
+            if steps <= 0:
+                return outputs
+            size = function.settled_size()
+
+    def _graph_train(self, inner, iterator):
+        """`(GraphTrainFunction, its call checked to reach the window)` for
+        Keras's train function `inner` (whose step was made at the size
+        in force), made anew where it, the window or the batches' spec
+        changed."""
+        cache = self.sizes.cache
+        spec = iterator.element_spec
+        found = cache.get("graph")
+        if (
+            found is None
+            or found[0] is not inner
+            or found[1] is not self.model._window
+            or found[2] != spec
+        ):
+            from keras_accum._trainer import _checked_train_function
+
+            model = self.model
+            parts = _parts(model.distribute_strategy, self.written_variables())
+            graph = GraphTrainFunction(model, parts, spec)
+            checked = _checked_train_function(model, graph)
+            found = (inner, model._window, spec, graph, checked)
+            cache["graph"] = found
+        return found[3], found[4]
+
     # -- Sizing, and redoing a batch ------------------------------------------
 
     def batch_rows(self, batch):
@@ -340,6 +407,141 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
         ready.append(share.loss)
         model._add_to_window(window, grads, share, ready, closes, count)
         return state
+
+
+class GraphTrainFunction:
+    """Keras's train function for the split step, its batches kept in the
+    graph: called with the iterator, it takes up to `steps` batches out
+    of it in the graph (`steps_per_execution` steps per call, the one-step
+    function compiled with XLA where `jit_compile` says, as Keras's own).
+
+    Before each step runs, the graph keeps its batch (its flattened
+    components) and what the step writes before its window closes (the
+    `snapshot`'s variables' values) in a queue of one on the host, and
+    drops them once the step is done; a counter says how many steps of
+    the call were done. A step that raises leaves them: `failed_step`
+    gives them back, for the batch to be undone and redone in Python
+    (`_sizing.SplitFunction.redo`) and the call's other batches run after
+    it: none is lost.
+
+    For the default strategy's iterator (a `tf.data.Iterator`); a
+    distributed iterator's per-replica batches are taken in Python.
+
+    Args:
+        model: The `AccumModel`.
+        parts: The `tf.Variable`s the step writes before its window
+            closes.
+        spec: The iterator's `element_spec`.
+    """
+
+    def __init__(self, model, parts, spec) -> None:
+        self.parts = parts
+        self.spec = spec
+        specs = tf.nest.flatten(spec, expand_composites=True)
+        self.components = len(specs)
+        with tf.init_scope(), tf.device("/device:CPU:0"):
+            self.queue = tf.queue.FIFOQueue(
+                1, [s.dtype for s in specs] + [part.dtype for part in parts]
+            )
+            self.done = tf.Variable(0, dtype=tf.int32, trainable=False)
+        self.steps = {}
+        self.every = model.steps_per_execution
+        strategy = model.distribute_strategy
+
+        def one_step(data):
+            return strategy.run(model.train_step, args=(data,))
+
+        if not model.run_eagerly:
+            one_step = tf.function(
+                one_step,
+                reduce_retracing=True,
+                jit_compile=bool(model.jit_compile),
+                autograph=False,
+            )
+        self.one_step = one_step
+        self.function = tf.function(
+            self._steps_on_iterator, reduce_retracing=True, autograph=False
+        )
+
+    def _kept_step(self, data):
+        """One step on `data`, which waits for the batch and the values
+        the step writes to be kept, and drops them once done."""
+        flat = tf.nest.flatten(data, expand_composites=True)
+        values = [part.read_value() for part in self.parts]
+        put = self.queue.enqueue(flat + values)
+        with tf.control_dependencies([put]):
+            data = tf.nest.map_structure(
+                tf.identity, data, expand_composites=True
+            )
+        outputs = self.one_step(data)
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            dropped = self.queue.dequeue()
+            counted = self.done.assign_add(1)
+        # The outputs wait for the batch to be dropped.
+        with tf.control_dependencies([*dropped, counted]):
+            return tf.nest.map_structure(tf.identity, outputs)
+
+    def _steps_on_iterator(self, iterator, steps):
+        with tf.control_dependencies([self.done.assign(0)]):
+            outputs = self._kept_step(iterator.get_next())
+        if self.every == 1:
+            return outputs
+
+        def more(i, outputs):
+            return i < steps
+
+        def step(i, outputs):
+            optional = iterator.get_next_as_optional()
+            has = optional.has_value()
+            outputs = tf.cond(
+                has,
+                lambda: self._kept_step(optional.get_value()),
+                lambda: outputs,
+            )
+            # No batch left: the loop ends.
+            return tf.where(has, i + 1, steps), outputs
+
+        invariants = tf.nest.map_structure(
+            lambda t: tf.TensorShape(None), outputs
+        )
+        _, outputs = tf.while_loop(
+            more,
+            step,
+            (tf.constant(1), outputs),
+            shape_invariants=(tf.TensorShape([]), invariants),
+        )
+        return outputs
+
+    def __call__(self, iterator, steps: int):
+        """The last step's outputs of up to `steps` steps on `iterator`'s
+        batches (at least one: `OutOfRangeError` where none is left)."""
+        count = self.steps.get(steps)
+        if count is None:
+            count = self.steps[steps] = tf.constant(steps, tf.int32)
+        return self.function(iterator, count)
+
+    def failed_step(self):
+        """After a call raised: `(steps done before, the failed step's
+        batch, [(variable, value before the step)])`, taken out of the
+        queue; None where no step failed (the error came from elsewhere)."""
+        if int(self.queue.size()) == 0:
+            return None
+        values = self.queue.dequeue()
+        flat = values[: self.components]
+        batch = tf.nest.pack_sequence_as(
+            self.spec, flat, expand_composites=True
+        )
+        kept = list(zip(self.parts, values[self.components :], strict=True))
+        return int(self.done.numpy()), batch, kept
+
+
+def _has_optionals(spec) -> bool:
+    """Whether a batch of `spec` holds `tf.experimental.Optional`s, which
+    Keras's function turns into None before the step."""
+    return any(
+        isinstance(s, tf.OptionalSpec)
+        for s in tf.nest.flatten(spec, expand_composites=False)
+    )
 
 
 def multi_worker(strategy) -> bool:

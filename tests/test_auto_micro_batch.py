@@ -628,6 +628,41 @@ def test_out_of_memory_shrinks_and_redoes_the_batch_exactly():
     assert model.micro_batch_choices == []
 
 
+@pytest.mark.skipif(
+    BACKEND == "torch", reason="PyTorch runs one step per execution"
+)
+def test_out_of_memory_inside_an_execution_loses_no_batch():
+    """With `steps_per_execution=3`, the second step of a call runs out of
+    memory (on TensorFlow inside the graph, which took its batch): it is
+    undone and redone, and the third step runs after it in the same call:
+    three updates, each `Model(16)`'s."""
+    x, y = _oom_data()
+    x, y = np.concatenate([x, x[:16]]), np.concatenate([y, y[:16]])
+    # The costs: 16 of 0, then 8 of 0 and 8 of 1, then 16 of 0; only the
+    # second batch's second micro-batch of 8 (cost 8) fails.
+    x[:, 0] = np.repeat([0.0, 0.0, 0.0, 1.0, 0.0, 0.0], 8)
+    model = _oom_model(keras_accum.AccumModel, LIMIT, micro_batch_size=8)
+    model.compile(
+        optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=3
+    )
+    plain = _oom_model(keras.Model, None)
+    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    reference = LargeBatch(plain)
+    common = {"batch_size": 16, "shuffle": False, "verbose": 0}
+    expected = reference.fit(x, y, **common)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, callbacks=[_Arm()], **common)
+    shrinks = [w for w in caught if "ran out of memory" in str(w.message)]
+    assert len(shrinks) == 1, [str(w.message) for w in caught]
+    assert int(model.optimizer.iterations) == 3
+    assert_equivalent(model, reference, update=2)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(
+            history.history[key], expected.history[key], rtol=1e-5
+        )
+
+
 class _CountsTraces(keras_accum.AccumModel):
     """Counts the calls of its train step: on JAX and TensorFlow, its
     traces (a compiled step runs without calling it)."""

@@ -125,6 +125,53 @@ def test_a_dataset_of_batches_splits_each_one(report_diff):
     report_diff(assert_equivalent(accum, plain), "micro_batch_size, weighted")
 
 
+def _eager_batches(model, data, **kwargs) -> int:
+    """The batches `model.fit(data)` takes out of a `tf.data` iterator in
+    Python (eagerly), not inside a traced function."""
+    import sys
+
+    import tensorflow as tf
+    from tensorflow.python.data.ops import iterator_ops
+
+    get_next = iterator_ops.OwnedIterator._next_internal.__code__
+    taken = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is get_next:
+            taken.append(tf.executing_eagerly())
+
+    sys.setprofile(profile)
+    try:
+        model.fit(data, verbose=0, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return sum(taken)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="the other backends' Keras functions take their batches in "
+    "Python, classic mode included",
+)
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_tf_data_pipeline_s_batches_stay_in_the_graph(steps_per_execution):
+    """The split train function takes its batches out of the iterator
+    inside the graph, as `keras.Model`'s does: none passes through Python
+    (each once did, to be redone after an out-of-memory error), and the
+    training is `Model(B)`'s."""
+    import tensorflow as tf
+
+    x, y = regression_data(n=N)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    kwargs = {"steps_per_execution": steps_per_execution}
+    plain = LargeBatch(_compiled(mlp(), **kwargs))
+    accum = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M), **kwargs)
+    expected = _eager_batches(plain, data)
+    assert _eager_batches(accum, data) == expected
+    assert int(accum.optimizer.iterations) == 3
+    assert_equivalent(accum, plain)
+
+
 @pytest.mark.parametrize(
     "case", ["sample_weights", "masked", "multi_output", "regularized", "sgd"]
 )
