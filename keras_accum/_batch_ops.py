@@ -199,14 +199,13 @@ class BatchOps(Protocol):
         compiled metrics updated with them."""
         ...
 
-    def vjp_piece(
-        self, state, x, output_grads, start, i, last: bool, scale=None
-    ):
-        """`(state, gradients, extra)`: piece `i` forward again (the same
-        draws), and the vector-Jacobian product of its outputs with
-        `output_grads`; on the `last` piece plus the gradient of the
-        model's own losses times `scale` (`loss_scale`), `extra` their
-        value so scaled (None elsewhere)."""
+    def vjp_piece(self, state, x, output_grads, draws, last: bool, scale=None):
+        """`(state, gradients, extra)`: piece `i` forward again (`draws`:
+        `(start, i)`, its draws as `forward_piece`'s), and the
+        vector-Jacobian product of its outputs with `output_grads`; on
+        the `last` piece plus the gradient of the model's own losses times
+        `scale` (`loss_scale`), `extra` their value so scaled (None
+        elsewhere)."""
         ...
 
     def add_piece(self, state, grads, share, count, closes: bool):
@@ -420,20 +419,8 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     start = batch_ops.seeds_start(state)
 
-    # Pass 1: the batch's outputs, without gradients. The last piece
-    # first: its outputs give the loop's their structure and dtypes.
-    last_x = batch_ops.piece(x, split.last_start, split.last_rows)
-    state, last_pred = batch_ops.forward_piece(
-        state, last_x, start, split.count - 1
-    )
-    rest = batch_ops.after(last_pred, x)
-
-    def forward(i, state):
-        piece_x = batch_ops.piece(rest, i * split.size, split.full)
-        return batch_ops.forward_piece(state, piece_x, start, i)
-
-    looped = batch_ops.loop(split.count - 1, forward, state, collect=last_pred)
-    y_pred = batch_ops.join(looped.collected, last_pred, split)
+    # Pass 1: the batch's outputs, without gradients.
+    state, y_pred = _whole_batch_outputs(batch_ops, state, x, split, start)
 
     # The loss on the whole batch, and its gradient with respect to the
     # outputs; the metrics see the whole batch once. Under loss scaling
@@ -444,7 +431,7 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     # split mode's windows.
     scale = batch_ops.loss_scale(state)
     state, found = batch_ops.whole_loss(
-        looped.carry, (x, y, sample_weight), y_pred, scale
+        state, (x, y, sample_weight), y_pred, scale
     )
     output_grads = found.y_pred
     zero = ops.zeros((), "float32")
@@ -455,7 +442,7 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
         piece_x = batch_ops.piece(x, start_row, split.full)
         piece_grads = batch_ops.piece(output_grads, start_row, split.full)
         state, grads, _ = batch_ops.vjp_piece(
-            state, piece_x, piece_grads, start, i, last=False
+            state, piece_x, piece_grads, (start, i), last=False
         )
         # A weight only the loss reads gets its gradient on the last
         # piece: zeros before, so that every piece writes the same
@@ -484,8 +471,7 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
         looped.carry,
         last_x,
         last_grads,
-        start,
-        split.count - 1,
+        (start, split.count - 1),
         last=True,
         scale=scale,
     )
@@ -503,6 +489,24 @@ def whole_batch_train_step(batch_ops: BatchOps, state, data):
     return batch_ops.train_result(
         state, batch_ops.global_rows(split.batch_size)
     )
+
+
+def _whole_batch_outputs(batch_ops: BatchOps, state, x, split, start):
+    """Pass 1 of `whole_batch_train_step`: `(state, the batch's outputs)`,
+    every piece forward in training mode without gradients. The last
+    piece first: its outputs give the loop's their structure and dtypes."""
+    last_x = batch_ops.piece(x, split.last_start, split.last_rows)
+    state, last_pred = batch_ops.forward_piece(
+        state, last_x, start, split.count - 1
+    )
+    rest = batch_ops.after(last_pred, x)
+
+    def forward(i, state):
+        piece_x = batch_ops.piece(rest, i * split.size, split.full)
+        return batch_ops.forward_piece(state, piece_x, start, i)
+
+    looped = batch_ops.loop(split.count - 1, forward, state, collect=last_pred)
+    return looped.carry, batch_ops.join(looped.collected, last_pred, split)
 
 
 def whole_batch_test_step(batch_ops: BatchOps, state, data):
@@ -759,8 +763,8 @@ class EagerStateOps(BaseBatchOps):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return state, found
 
-    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
-        replay, values = start
+    def vjp_piece(self, state, x, output_grads, draws, last, scale=None):
+        (replay, values), i = draws
         replay.enter(values, i)
         extra_loss = model_losses(self.model, scale) if last else None
         found = self.primitives.piece_vjp(

@@ -387,7 +387,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         metrics = current_values(scope, model.metrics_variables)
         return (trainable, non_trainable, optimizer_and_window, metrics), found
 
-    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
+    def vjp_piece(self, state, x, output_grads, draws, last, scale=None):
         from keras_accum import _jax_output_grads
 
         model = self.model
@@ -395,7 +395,7 @@ class JaxBatchOps(_batch_ops.BaseBatchOps):
         found, non_trainable = _jax_output_grads.stateless_piece_vjp(
             model,
             trainable,
-            self._entered(non_trainable, start, i),
+            self._entered(non_trainable, *draws),
             x,
             output_grads,
             _batch_ops.model_losses(model, scale) if last else None,

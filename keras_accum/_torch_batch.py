@@ -210,10 +210,10 @@ class TorchBatchOps(_batch_ops.EagerStateOps):
             self.torch_draws["end"] = _seeds._torch_rng_state()
         return state, y_pred
 
-    def vjp_piece(self, state, x, output_grads, start, i, last, scale=None):
+    def vjp_piece(self, state, x, output_grads, draws, last, scale=None):
         if self.torch_draws is not None:
-            _seeds._set_torch_rng_state(self.torch_draws[i])
-        return super().vjp_piece(state, x, output_grads, start, i, last, scale)
+            _seeds._set_torch_rng_state(self.torch_draws[draws[1]])
+        return super().vjp_piece(state, x, output_grads, draws, last, scale)
 
     def add_piece(self, state, grads, share, count, closes):
         model = self.model
