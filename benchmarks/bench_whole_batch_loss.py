@@ -458,7 +458,7 @@ def _parser():
         "default); on shared cores idle threads spin, and CPU time counts it",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a tiny smoke run (CI)"
+        "--quick", action="store_true", help="a tiny smoke run"
     )
     parser.add_argument(
         "--out",

@@ -372,30 +372,3 @@ def test_low_precision_benchmark_runs(tmp_path):
     )
     assert saved >= 1.5, f32
     assert "float32 MLP" in result.stdout
-
-
-def test_whole_batch_loss_script_smoke(tmp_path):
-    # One JAX worker, memory only: its figures are compiled, not run, so
-    # the largest batches are found without training at them.
-    out = tmp_path / "whole_batch_loss.json"
-    result = _script(
-        "bench_whole_batch_loss.py",
-        "--quick",
-        "--backends=jax",
-        "--no-speed",
-        f"--out={out}",
-    )
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["backend"] == "jax"
-    found = row["memory"]["variants"]
-    budget = row["memory"]["budget"]
-    assert set(found) == {"keras", "accum", "whole"}
-    for variant in found.values():
-        assert 0 < variant["peak"] <= budget
-        assert variant["not_fit"] > variant["largest"]
-    # The loss sees the whole batch: a batch keras.Model cannot hold.
-    assert found["whole"]["largest"] > found["keras"]["largest"]
-    split = row["memory"]["split"]
-    assert split["micro_batch_step"] < split["whole_step"] <= budget
-    assert "speed" not in row
-    assert "largest batch under the budget" in result.stdout
