@@ -457,9 +457,7 @@ def _parser():
         help="PyTorch's intra-op threads in the timed runs (0: its own "
         "default); on shared cores idle threads spin, and CPU time counts it",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="a tiny smoke run"
-    )
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     parser.add_argument(
         "--out",
         default=str(ROOT / "benchmarks/results/whole_batch_loss.json"),
