@@ -140,6 +140,50 @@ class UpdateRecorder(keras.callbacks.Callback):
             )
 
 
+class LoggingRecorder(UpdateRecorder):
+    """The weights after every update, and the logs at each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        self.logs.append({k: float(v) for k, v in logs.items()})
+
+
+def fit_recording(model, x, y, batch_size=8):
+    """One epoch of `fit` in order (under a `tf.distribute` strategy `fit`
+    splits each batch over the replicas; `train_on_batch` would give each
+    replica all of it): its `LoggingRecorder`."""
+    recorder = LoggingRecorder()
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    return recorder
+
+
+def overflow_prone(model_cls, **kwargs):
+    """`(model, x, y)`: targets of size ~6, at which float16
+    backpropagation of a batch of 64 at a loss scale of 2^16 is near its
+    overflow (benchmarks/bench_loss_scale.py)."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(64, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(64, activation="tanh")(hidden)
+    model = model_cls(inputs, keras.layers.Dense(4)(hidden), **kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = x @ rng.normal(size=(32, 4)).astype("float32")
+    return model, x, y
+
+
 class Killed(Exception):
     """What `KillAt` raises unless told otherwise."""
 

@@ -45,8 +45,8 @@ from _contrastive import (  # noqa: E402
     in_batch_accuracy,
 )
 from _helpers import (  # noqa: E402
-    UpdateRecorder,
     assert_same_weights,
+    fit_recording,
     max_weight_diff,
 )
 
@@ -109,35 +109,6 @@ def build(name, model_cls, **kwargs):
 def data(name):
     """`(x, y)`: the case's batches (`SIZES`)."""
     return CASES["clip"][1](sum(SIZES[name]))
-
-
-class Recorder(UpdateRecorder):
-    """The weights after every update, and the logs at each batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.logs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
-        self.logs.append({k: float(v) for k, v in logs.items()})
-
-
-def fit_recording(model, x, y):
-    """One epoch at batch 8 (`fit` distributes each batch over the
-    replicas; `train_on_batch` would give each replica all of it): the
-    `Recorder`."""
-    recorder = Recorder()
-    model.fit(
-        x,
-        y,
-        batch_size=8,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-        callbacks=[recorder],
-    )
-    return recorder
 
 
 def case(name):

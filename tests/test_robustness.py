@@ -17,6 +17,7 @@ from _helpers import (
     assert_same_weights,
     max_weight_diff,
     mlp,
+    overflow_prone,
     regression_data,
 )
 from hypothesis import HealthCheck, given, settings
@@ -125,20 +126,6 @@ def test_nan_under_loss_scaling_lowers_the_scale_like_a_large_batch(policy):
     assert_same_weights(plain, accum, atol=1e-4)
 
 
-def _overflow_prone(model_cls, **kwargs):
-    """Targets of size ~6: at a loss scale of 2^16 float16 backpropagation
-    of a batch of 64 is near its overflow (benchmarks/bench_loss_scale.py)."""
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((32,))
-    hidden = keras.layers.Dense(64, activation="tanh")(inputs)
-    hidden = keras.layers.Dense(64, activation="tanh")(hidden)
-    model = model_cls(inputs, keras.layers.Dense(4)(hidden), **kwargs)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 32)).astype("float32")
-    y = x @ rng.normal(size=(32, 4)).astype("float32")
-    return model, x, y
-
-
 @pytest.mark.parametrize("log2_scale", [16, 18])
 def test_loss_scale_overflows_where_the_large_batch_does(policy, log2_scale):
     """Before: each micro-batch was backpropagated as the mean over itself,
@@ -151,7 +138,7 @@ def test_loss_scale_overflows_where_the_large_batch_does(policy, log2_scale):
         ("plain", keras.Model, {}, 64),
         ("accum", keras_accum.AccumModel, {"accum_steps": 8}, 8),
     ):
-        model, x, y = _overflow_prone(cls, **kwargs)
+        model, x, y = overflow_prone(cls, **kwargs)
         model.compile(
             optimizer=keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.SGD(0.01),

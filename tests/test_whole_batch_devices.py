@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from _contrastive import CASES, DualEncoder, _subclass, in_batch_accuracy
 from _helpers import (
-    UpdateRecorder,
     assert_same_weights,
+    fit_recording,
     max_weight_diff,
     run_in_fresh_process,
 )
@@ -123,32 +123,6 @@ def _build(name, model_cls, **kwargs):
     return model
 
 
-class _Recorder(UpdateRecorder):
-    """The weights after every update, and the logs at each batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.logs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
-        self.logs.append({k: float(v) for k, v in logs.items()})
-
-
-def _fit_recording(model, x, y):
-    recorder = _Recorder()
-    model.fit(
-        x,
-        y,
-        batch_size=8,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-        callbacks=[recorder],
-    )
-    return recorder
-
-
 def _fit_side_by_side(name):
     x, y = CASES["clip"][1](sum(SIZES))
     plain = _build(name, keras.Model)
@@ -162,11 +136,11 @@ def _fit_side_by_side(name):
             whole_batch_loss=True,
         )
         accum.set_weights(start)
-        accum_run = _fit_recording(accum, x, y)
+        accum_run = fit_recording(accum, x, y)
         accum_evaluated = accum.evaluate(
             x, y, batch_size=8, verbose=0, return_dict=True
         )
-    plain_run = _fit_recording(plain, x, y)
+    plain_run = fit_recording(plain, x, y)
     assert len(accum_run.updates) == len(plain_run.updates) == len(SIZES)
     diffs = []
     for (_, found), (_, expected) in zip(

@@ -13,6 +13,7 @@ from _helpers import (
     assert_same_weights,
     float64,
     max_weight_diff,
+    overflow_prone,
 )
 from test_output_grads import one_pass
 
@@ -446,20 +447,6 @@ def test_a_scaling_optimizer_in_float32_equals_keras_model(optimizer):
         np.testing.assert_allclose(accum_loss, plain_loss, rtol=1e-5)
 
 
-def _overflow_prone(model_cls, **kwargs):
-    """test_robustness's construction: targets of size ~6, at a loss scale
-    of 2^16 float16 backpropagation of a batch of 64 is near overflow."""
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((32,))
-    hidden = keras.layers.Dense(64, activation="tanh")(inputs)
-    hidden = keras.layers.Dense(64, activation="tanh")(hidden)
-    model = model_cls(inputs, keras.layers.Dense(4)(hidden), **kwargs)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 32)).astype("float32")
-    y = x @ rng.normal(size=(32, 4)).astype("float32")
-    return model, x, y
-
-
 @pytest.mark.parametrize("log2_scale", [16, 18])
 def test_loss_scale_overflows_where_the_batch_does(mixed_float16, log2_scale):
     # At 2^16 the batch applies its update; at 2^18 its scaled gradient
@@ -474,7 +461,7 @@ def test_loss_scale_overflows_where_the_batch_does(mixed_float16, log2_scale):
             {"micro_batch_size": 8, "whole_batch_loss": True},
         ),
     ):
-        model, x, y = _overflow_prone(cls, **kwargs)
+        model, x, y = overflow_prone(cls, **kwargs)
         model.compile(
             optimizer=keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.SGD(0.01),
