@@ -683,4 +683,10 @@ def _sliced(t, start, size):
     rest = t.shape.rank - 1
     begin = tf.stack([tf.cast(start, tf.int32)] + [0] * rest)
     extent = tf.stack([tf.cast(size, tf.int32)] + [-1] * rest)
-    return tf.slice(t, begin, extent)
+    sliced = tf.slice(t, begin, extent)
+    # A slice at a tensor's position loses every static dimension; the
+    # layers need the others (a Keras convolution whose channels are
+    # unknown runs compiled apart, on a slower path, on CPU).
+    rows = size if isinstance(size, int) else None
+    sliced.set_shape([rows, *t.shape[1:]])
+    return sliced

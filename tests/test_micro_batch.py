@@ -172,6 +172,44 @@ def test_a_tf_data_pipeline_s_batches_stay_in_the_graph(steps_per_execution):
     assert_equivalent(accum, plain)
 
 
+class _ShapeSeen(keras.layers.Layer):
+    """Passes its input on; keeps the static shape of each it is given."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def call(self, inputs):
+        self.seen.append(tuple(inputs.shape))
+        return inputs
+
+
+@pytest.mark.parametrize(
+    "whole_batch_loss", [False, True], ids=["split", "whole"]
+)
+def test_a_piece_keeps_the_batch_s_other_dimensions(whole_batch_loss):
+    """The layers see each piece with the batch's static shape but its
+    rows: on TensorFlow a piece cut at a tensor position had lost them
+    all, and a Keras `Conv2D` given unknown channels runs apart, compiled
+    by XLA, past oneDNN's fused kernels (the CNN's split step was 1.13x
+    the classic mode's CPU time, 0.85x with the shape kept)."""
+    seen = _ShapeSeen()
+    inputs = keras.Input((6, 5, 2))
+    x = keras.layers.Conv2D(3, 3, activation="relu")(seen(inputs))
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(x))
+    model = keras_accum.AccumModel(
+        inputs, outputs, micro_batch_size=4, whole_batch_loss=whole_batch_loss
+    )
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    x = np.random.default_rng(0).normal(size=(12, 6, 5, 2)).astype("float32")
+    y = np.zeros((12, 1), "float32")
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=10, verbose=0)
+    model.predict(x, batch_size=10, verbose=0)
+    assert seen.seen
+    assert {shape[1:] for shape in seen.seen} == {(6, 5, 2)}
+
+
 @pytest.mark.parametrize(
     "case", ["sample_weights", "masked", "multi_output", "regularized", "sgd"]
 )
