@@ -568,6 +568,53 @@ def test_pieces_with_torch_global_draws_equal_the_one_pass_gradient():
     assert_same_weights(accum, expected)
 
 
+class _GraphProbe(keras.layers.Layer):
+    """Scales its inputs by a weight, and records at each call whether its
+    outputs carry an autograd graph (PyTorch's `grad_fn`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.graphs = []
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(
+            shape=(input_shape[-1],), initializer="ones"
+        )
+
+    def call(self, inputs):
+        outputs = inputs * self.scale
+        self.graphs.append(outputs.grad_fn is not None)
+        return outputs
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="an autograd graph recorded outside a gradient call is "
+    "PyTorch's: TensorFlow records on a tape, JAX traces a function",
+)
+def test_pass_one_records_no_graph_and_each_piece_runs_twice():
+    # Pass 1 only needs the outputs: a graph recorded there would hold
+    # every piece's activations until the loss (the memory the pieces
+    # save) and cost its bookkeeping. Pass 2 needs one per piece.
+    inputs = keras.Input((6,))
+    probe = _GraphProbe()
+    hidden = probe(keras.layers.Dense(4)(inputs))
+    outputs = keras.layers.UnitNormalization()(hidden)
+    model = keras_accum.AccumModel(
+        inputs, outputs, micro_batch_size=3, whole_batch_loss=True
+    )
+    model.compile(optimizer=_optimizer("sgd"), loss=CASES["supcon"][2])
+    x, y = _batches("supcon")[0]
+    # The first call runs Keras's symbolic build, a forward pass of its
+    # own, before the step.
+    model.train_on_batch(x, y)
+    probe.graphs.clear()
+    model.train_on_batch(x, y)
+    # 8 rows in pieces of 3: each of the 3 pieces once in pass 1, without
+    # a graph, then once in pass 2, with one; no forward pass more.
+    assert list(probe.graphs) == [False] * 3 + [True] * 3
+
+
 def test_the_noise_scale_is_refused():
     model = _build(
         "supcon",
