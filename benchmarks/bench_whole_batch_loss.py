@@ -32,10 +32,19 @@ worker process of its own (this script with `--worker BACKEND`):
    interleaved rounds: the median of the rounds' ratios of `whole` to
    `keras` and their quartiles, and of `split` to `keras`, `whole` to
    `split` (what the loss over the whole batch adds to the pieces).
+3. Profile (PyTorch, `--profile`). Where the train step at `--batch`
+   spends its CPU time, for `keras`, `split` and `whole`: each phase's
+   milliseconds a step (pass 1's forward, the forward with gradients,
+   the backward, the loss and its output gradient, the window's adds,
+   the update, ...: the functions that make them wrapped while timed,
+   each call's time less its nested phases'), and the ops' self CPU
+   time in each phase (`torch.profiler`).
 
     python benchmarks/bench_whole_batch_loss.py              # all three
     python benchmarks/bench_whole_batch_loss.py --backends=jax --no-speed
     python benchmarks/bench_whole_batch_loss.py --backends=jax --quick
+    python benchmarks/bench_whole_batch_loss.py --backends=torch --no-memory \
+        --no-speed --profile --torch-threads=1
 
 Results go to benchmarks/results/whole_batch_loss.json.
 """
@@ -343,6 +352,220 @@ def _median(values):
     return statistics.median(values)
 
 
+# -- Where PyTorch's step spends its time (--profile) --------------------------
+
+# Phases of a train step, each the CPU time spent in it and not in a
+# phase nested inside it; what no phase claims is "other" (Python, Keras's
+# step around them).
+PHASES = (
+    "forward, no gradients (pass 1)",
+    "forward",
+    "backward",
+    "loss",
+    "loss gradient (outputs)",
+    "window adds",
+    "update",
+    "metrics",
+    "slices and join",
+    "seeds",
+    "other",
+)
+
+
+class _PhaseClock:
+    """Wraps the functions that make a step's phases, for as long as it is
+    entered: each call's exclusive CPU time goes to its phase, and under
+    `torch.profiler` into a `record_function` range of that name."""
+
+    def __init__(self):
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.stack = []
+        self.ranges = False
+
+    def _wrap(self, function, phase):
+        import functools
+        import time
+
+        import torch
+
+        @functools.wraps(function)
+        def wrapped(*args, **kwargs):
+            name = phase() if callable(phase) else phase
+            now = time.process_time()
+            if self.stack:
+                self.totals[self.stack[-1][0]] += now - self.stack[-1][1]
+            self.stack.append([name, now])
+            scope = (
+                torch.profiler.record_function(name) if self.ranges else None
+            )
+            try:
+                if scope is None:
+                    return function(*args, **kwargs)
+                with scope:
+                    return function(*args, **kwargs)
+            finally:
+                end = time.process_time()
+                name, start = self.stack.pop()
+                self.totals[name] += end - start
+                if self.stack:
+                    self.stack[-1][1] = end
+
+        return wrapped
+
+    def _targets(self):
+        import keras
+        import torch
+        from keras.src.optimizers import base_optimizer
+        from keras.src.trainers import trainer
+
+        from keras_accum import (
+            _seeds,
+            _torch_batch,
+            _torch_output_grads,
+            _window,
+        )
+
+        def forward():
+            if torch.is_grad_enabled():
+                return "forward"
+            return "forward, no gradients (pass 1)"
+
+        def backward():
+            # The whole-batch loss's gradient with respect to the outputs
+            # is the loss's, not the model's.
+            if self.stack and self.stack[-1][0] == "loss gradient (outputs)":
+                return "loss gradient (outputs)"
+            return "backward"
+
+        ops = _torch_batch.TorchBatchOps
+        replay = _seeds.SeedReplay
+        return [
+            (keras.Model, "__call__", forward),
+            (torch.autograd, "grad", backward),
+            (torch.Tensor, "backward", backward),
+            (trainer.Trainer, "_compute_loss", "loss"),
+            (
+                _torch_output_grads,
+                "loss_and_output_grads",
+                "loss gradient (outputs)",
+            ),
+            (_window, "accumulate", "window adds"),
+            (base_optimizer.BaseOptimizer, "apply", "update"),
+            (trainer.Trainer, "compute_metrics", "metrics"),
+            (ops, "piece", "slices and join"),
+            (ops, "join", "slices and join"),
+            (replay, "start", "seeds"),
+            (replay, "enter", "seeds"),
+            (replay, "finish", "seeds"),
+            (_seeds, "_torch_rng_state", "seeds"),
+            (_seeds, "_set_torch_rng_state", "seeds"),
+        ]
+
+    def __enter__(self):
+        self.kept = []
+        for owner, name, phase in self._targets():
+            # An inherited method (`keras.Model.__call__` is `Layer`'s) is
+            # wrapped on `owner` alone, and deleted there after.
+            self.kept.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._wrap(getattr(owner, name), phase))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, function in reversed(self.kept):
+            if function is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, function)
+
+    def time(self, step, steps):
+        """`{phase: CPU milliseconds per step}` of `steps` calls of `step`."""
+        import time
+
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.stack = [["other", time.process_time()]]
+        for _ in range(steps):
+            step()
+        name, start = self.stack.pop()
+        self.totals[name] += time.process_time() - start
+        found = {k: v * 1e3 / steps for k, v in self.totals.items()}
+        return {**found, "total": sum(found.values())}
+
+
+def _ops_by_phase(events, top):
+    """`{phase: {op: self CPU milliseconds}}` of a profile's `events`: each
+    op counted in the innermost phase range around it, the `top` largest
+    of each phase (the rest summed as "the rest")."""
+    found = {}
+    for event in events:
+        if event.name in PHASES:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and parent.name not in PHASES:
+            parent = parent.cpu_parent
+        phase = "other" if parent is None else parent.name
+        ops = found.setdefault(phase, {})
+        ops[event.name] = ops.get(event.name, 0.0) + event.self_cpu_time_total
+    kept = {}
+    for phase, ops in found.items():
+        ranked = sorted(ops.items(), key=lambda item: -item[1])
+        kept[phase] = {op: us / 1e3 for op, us in ranked[:top]}
+        kept[phase]["the rest"] = sum(us for _, us in ranked[top:]) / 1e3
+    return kept
+
+
+def torch_profile(args):
+    """Where PyTorch's train step at `--batch` spends its CPU time, for
+    `keras`, `split` and `whole` in pieces of `--speed-micro-batch`: each
+    phase's CPU milliseconds per step (`PHASES`, exclusive; the median of
+    `--rounds` interleaved rounds of `--profile-steps` steps after a
+    warm-up), and the ops' self CPU time in each phase (milliseconds per
+    step, from `torch.profiler` over one further round)."""
+    import torch
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    variants = ("keras", "split", "whole")
+    built = {v: build(v, args, args.speed_micro_batch) for v in variants}
+    x, y = data(args.batch, args, seed=1)
+    batch = ({k: torch.as_tensor(v) for k, v in x.items()}, torch.as_tensor(y))
+    for model in built.values():
+        # Builds the train function and the metrics; then one more step.
+        model.fit(x, y, batch_size=args.batch, verbose=0)
+        model.train_step(batch)
+    steps = args.profile_steps
+    rounds = {v: [] for v in variants}
+    with _PhaseClock() as clock:
+        for round_ in range(args.rounds):
+            turn = round_ % len(variants)
+            for v in variants[turn:] + variants[:turn]:
+                step = built[v].train_step
+                rounds[v].append(clock.time(lambda s=step: s(batch), steps))
+        clock.ranges = True
+        ops = {}
+        for v in variants:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=activities) as profile:
+                clock.time(lambda s=built[v].train_step: s(batch), steps)
+            ops[v] = {
+                phase: {op: ms / steps for op, ms in found.items()}
+                for phase, found in _ops_by_phase(profile.events(), 6).items()
+            }
+    phases = {
+        v: {
+            phase: _median([r[phase] for r in rounds[v]])
+            for phase in (*PHASES, "total")
+        }
+        for v in variants
+    }
+    return {
+        "batch": args.batch,
+        "micro_batch": args.speed_micro_batch,
+        "steps_per_round": steps,
+        "phases_ms_per_step": phases,
+        "ops_ms_per_step": ops,
+    }
+
+
 def worker(args):
     import keras
 
@@ -352,6 +575,8 @@ def worker(args):
         row["memory"] = memory(args, backend)
     if not args.no_speed:
         row["speed"] = speed(args, backend)
+    if backend == "torch" and args.profile:
+        row["profile"] = torch_profile(args)
     _workers.print_rows([row])
 
 
@@ -417,6 +642,33 @@ def print_tables(rows):
         )
 
 
+def print_profile(rows):
+    for row in rows:
+        found = row.get("profile")
+        if not found:
+            continue
+        phases = found["phases_ms_per_step"]
+        variants = tuple(phases)
+        print(
+            f"\n{row['backend']}: CPU ms per train step at B={found['batch']}"
+            f" (pieces of {found['micro_batch']}), by phase (exclusive)"
+        )
+        print(f"{'phase':<32}" + "".join(f"{v:>9}" for v in variants))
+        for phase in (*PHASES, "total"):
+            print(
+                f"{phase:<32}"
+                + "".join(f"{phases[v][phase]:>9.1f}" for v in variants)
+            )
+        print("\nops' self CPU ms per step in each phase (torch.profiler)")
+        for phase in PHASES:
+            for v in variants:
+                ops = found["ops_ms_per_step"][v].get(phase)
+                if not ops or sum(ops.values()) < 0.5:
+                    continue
+                listed = ", ".join(f"{op} {ms:.1f}" for op, ms in ops.items())
+                print(f"{phase} | {v}: {listed}")
+
+
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="tensorflow,jax,torch")
@@ -457,6 +709,13 @@ def _parser():
         help="PyTorch's intra-op threads in the timed runs (0: its own "
         "default); on shared cores idle threads spin, and CPU time counts it",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="PyTorch: the train step's CPU time by phase and by op, for "
+        "keras, split and whole",
+    )
+    parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     parser.add_argument(
         "--out",
@@ -480,8 +739,9 @@ WORKER_OPTIONS = (
     "rounds",
     "samples_per_run",
     "torch_threads",
+    "profile_steps",
 )
-WORKER_FLAGS = ("no_memory", "no_speed")
+WORKER_FLAGS = ("no_memory", "no_speed", "profile")
 
 
 def main():
@@ -502,6 +762,7 @@ def main():
     }
     _workers.write_report(args.out, rows, args.rounds, settings=settings)
     print_tables(rows)
+    print_profile(rows)
 
 
 if __name__ == "__main__":
