@@ -146,8 +146,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         Example:
 
         ```python
-        base = keras.applications.MobileNetV3Small(
-            weights=None, input_shape=(32, 32, 3), classes=10
+        base = keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(16, 3),
+                keras.layers.BatchNormalization(),
+                keras.layers.ReLU(),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(10),
+            ]
         )
         converted = keras_accum.AccumBatchNormalization.convert(base)
         model = keras_accum.AccumModel.from_model(converted, accum_steps=8)

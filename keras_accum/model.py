@@ -400,7 +400,14 @@ class AccumModel(_Trainer, keras.Model):
         Example:
 
         ```python
-        base = keras.applications.MobileNetV3Small(weights=None)
+        base = keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(10),
+            ]
+        )
         model = keras_accum.AccumModel.from_model(base, accum_steps=4)
         ```
         """
