@@ -25,6 +25,9 @@ from _helpers import (  # noqa: E402
     mlp,
     regression_data,
 )
+
+# The out-of-memory layer (a real allocation refused) and its data, as
+# test_auto_micro_batch.py injects them on one device.
 from test_auto_micro_batch import _Arm, _oom_data, _oom_model  # noqa: E402
 
 import keras_accum  # noqa: E402
