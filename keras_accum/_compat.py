@@ -393,6 +393,14 @@ def in_multi_worker_mode(strategy) -> bool:
     return bool(strategy.extended._in_multi_worker_mode())
 
 
+def reduce_per_replica(outputs, strategy):
+    """A `tf.distribute` step's logs reduced over the replicas as Keras's
+    train function reduces them (`"auto"`)."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    return reduce_per_replica(outputs, strategy, reduction="auto")
+
+
 def strategy_supports_no_merge_call() -> bool:
     """Whether the current `tf.distribute` strategy applies an optimizer
     without `merge_call` (TensorFlow's `tf.__internal__`)."""

@@ -126,13 +126,13 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
         model = self.model
         if (
             model.run_eagerly
-            or not isinstance(iterator, tf.data.Iterator)
+            or not isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            )
             or _has_optionals(iterator.element_spec)
         ):
             # Keras's own function takes these batches in Python too (a
-            # list's iterator, `train_on_batch`'s) or eagerly; a
-            # distributed iterator's per-replica batches go through the
-            # Python path (`GraphTrainFunction`).
+            # list's iterator, `train_on_batch`'s) or eagerly.
             return function.train_each(args)
         size = function.settled_size()
         if size is None:  # "auto" sizes from the batch itself.
@@ -182,7 +182,10 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
 
             model = self.model
             parts = _parts(model.distribute_strategy, self.written_variables())
-            graph = GraphTrainFunction(model, parts, spec)
+            distributed = isinstance(
+                iterator, tf.distribute.DistributedIterator
+            )
+            graph = GraphTrainFunction(model, parts, spec, distributed)
             checked = _checked_train_function(model, graph)
             found = (inner, model._window, spec, graph, checked)
             cache["graph"] = found
@@ -411,45 +414,62 @@ class TensorFlowBatchOps(_batch_ops.EagerStateOps):
 
 class GraphTrainFunction:
     """Keras's train function for the split step, its batches kept in the
-    graph: called with the iterator, it takes up to `steps` batches out
-    of it in the graph (`steps_per_execution` steps per call, the one-step
-    function compiled with XLA where `jit_compile` says, as Keras's own).
+    graph: called with the iterator (a `tf.data` iterator, or a
+    `tf.distribute` strategy's distributed one), it takes up to `steps`
+    batches out of it in the graph, each step run by `strategy.run` (the
+    one-step function compiled with XLA where `jit_compile` says, as
+    Keras's own): `steps_per_execution` steps in one graph call, one per
+    call from a distributed iterator.
 
-    Before each step runs, the graph keeps its batch (its flattened
-    components) and what the step writes before its window closes (the
-    `snapshot`'s variables' values) in a queue of one on the host, and
-    drops them once the step is done; a counter says how many steps of
-    the call were done. A step that raises leaves them: `failed_step`
-    gives them back, for the batch to be undone and redone in Python
-    (`_sizing.SplitFunction.redo`) and the call's other batches run after
-    it: none is lost.
-
-    For the default strategy's iterator (a `tf.data.Iterator`); a
-    distributed iterator's per-replica batches are taken in Python.
+    Before each step runs, the graph keeps the step's index in the call,
+    its batch (its flattened components: every replica's part under a
+    strategy) and what the step writes before its window closes (the
+    `snapshot`'s variables' values, every replica's copy) in a queue of
+    one on the host, and drops them once the step is done. A step that
+    raises leaves them: `failed_step` gives them back, for the batch to be
+    undone and redone in Python (`_sizing.SplitFunction.redo`) and the
+    call's other batches run after it: none is lost.
 
     Args:
         model: The `AccumModel`.
         parts: The `tf.Variable`s the step writes before its window
             closes.
         spec: The iterator's `element_spec`.
+        distributed: Whether the iterator is a distributed one.
     """
 
-    def __init__(self, model, parts, spec) -> None:
+    def __init__(self, model, parts, spec, distributed: bool) -> None:
         self.parts = parts
         self.spec = spec
         specs = tf.nest.flatten(spec, expand_composites=True)
         self.components = len(specs)
         with tf.init_scope(), tf.device("/device:CPU:0"):
             self.queue = tf.queue.FIFOQueue(
-                1, [s.dtype for s in specs] + [part.dtype for part in parts]
+                1,
+                [tf.int32]
+                + [s.dtype for s in specs]
+                + [part.dtype for part in parts],
             )
-            self.done = tf.Variable(0, dtype=tf.int32, trainable=False)
         self.steps = {}
+        # The steps one call takes; `before`: those earlier calls of the
+        # same `__call__` took.
         self.every = model.steps_per_execution
-        strategy = model.distribute_strategy
+        if distributed:
+            # A collective all-reduce in the step (`MirroredStrategy` on
+            # CPUs) takes its key when the function is called
+            # (`capture_call_time_value`), which a step called inside a
+            # `tf.cond` or `tf.while_loop` does not get: "You must feed a
+            # value for placeholder tensor", as Keras's own function with
+            # steps_per_execution > 1 there. One step per call, the calls
+            # looped in Python, each batch still taken in the graph.
+            self.every = 1
+        self.before = 0
+        strategy = self.strategy = model.distribute_strategy
 
         def one_step(data):
-            return strategy.run(model.train_step, args=(data,))
+            outputs = strategy.run(model.train_step, args=(data,))
+            # The replicas' logs, reduced as Keras's own function does.
+            return _compat.reduce_per_replica(outputs, strategy)
 
         if not model.run_eagerly:
             one_step = tf.function(
@@ -463,27 +483,25 @@ class GraphTrainFunction:
             self._steps_on_iterator, reduce_retracing=True, autograph=False
         )
 
-    def _kept_step(self, data):
-        """One step on `data`, which waits for the batch and the values
-        the step writes to be kept, and drops them once done."""
+    def _kept_step(self, data, index):
+        """Step `index` of the call on `data`, which waits for its batch
+        and the values the step writes to be kept, and drops them once
+        done."""
         flat = tf.nest.flatten(data, expand_composites=True)
         values = [part.read_value() for part in self.parts]
-        put = self.queue.enqueue(flat + values)
+        put = self.queue.enqueue([index, *flat, *values])
+        # The step's call waits for the keeping (each replica's part left
+        # where the iterator put it).
         with tf.control_dependencies([put]):
-            data = tf.nest.map_structure(
-                tf.identity, data, expand_composites=True
-            )
-        outputs = self.one_step(data)
+            outputs = self.one_step(data)
         with tf.control_dependencies(tf.nest.flatten(outputs)):
             dropped = self.queue.dequeue()
-            counted = self.done.assign_add(1)
         # The outputs wait for the batch to be dropped.
-        with tf.control_dependencies([*dropped, counted]):
+        with tf.control_dependencies(dropped):
             return tf.nest.map_structure(tf.identity, outputs)
 
     def _steps_on_iterator(self, iterator, steps):
-        with tf.control_dependencies([self.done.assign(0)]):
-            outputs = self._kept_step(iterator.get_next())
+        outputs = self._kept_step(iterator.get_next(), tf.constant(0))
         if self.every == 1:
             return outputs
 
@@ -495,7 +513,7 @@ class GraphTrainFunction:
             has = optional.has_value()
             outputs = tf.cond(
                 has,
-                lambda: self._kept_step(optional.get_value()),
+                lambda: self._kept_step(optional.get_value(), i),
                 lambda: outputs,
             )
             # No batch left: the loop ends.
@@ -515,10 +533,24 @@ class GraphTrainFunction:
     def __call__(self, iterator, steps: int):
         """The last step's outputs of up to `steps` steps on `iterator`'s
         batches (at least one: `OutOfRangeError` where none is left)."""
+        outputs = None
+        for before in range(0, steps, self.every):
+            self.before = before
+            try:
+                outputs = self.function(
+                    iterator, self._count(min(self.every, steps - before))
+                )
+            except tf.errors.OutOfRangeError:
+                if outputs is None:
+                    raise
+                break
+        return outputs
+
+    def _count(self, steps):
         count = self.steps.get(steps)
         if count is None:
             count = self.steps[steps] = tf.constant(steps, tf.int32)
-        return self.function(iterator, count)
+        return count
 
     def failed_step(self):
         """After a call raised: `(steps done before, the failed step's
@@ -526,13 +558,38 @@ class GraphTrainFunction:
         queue; None where no step failed (the error came from elsewhere)."""
         if int(self.queue.size()) == 0:
             return None
-        values = self.queue.dequeue()
+        index, *values = self.queue.dequeue()
         flat = values[: self.components]
         batch = tf.nest.pack_sequence_as(
             self.spec, flat, expand_composites=True
         )
         kept = list(zip(self.parts, values[self.components :], strict=True))
-        return int(self.done.numpy()), batch, kept
+        done = self.before + int(index)
+        return done, self._on_replicas(batch), kept
+
+    def _on_replicas(self, batch):
+        """`batch`, kept on the host, as the iterator gave it: a
+        distributed batch's parts back on their replicas' devices."""
+        strategy = self.strategy
+        leaves = tf.nest.flatten(batch)
+        # Across workers a batch is not redone (`can_redo`).
+        if multi_worker(strategy) or not any(
+            isinstance(v, tf.distribute.DistributedValues) for v in leaves
+        ):
+            return batch
+        devices = strategy.extended.worker_devices
+
+        def part(context):
+            replica = context.replica_id_in_sync_group
+            with tf.device(devices[replica]):
+                return tf.nest.map_structure(
+                    lambda value: tf.identity(
+                        strategy.experimental_local_results(value)[replica]
+                    ),
+                    batch,
+                )
+
+        return strategy.experimental_distribute_values_from_function(part)
 
 
 def _has_optionals(spec) -> bool:

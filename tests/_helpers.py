@@ -652,6 +652,56 @@ def tensorboard_scalars(directory, tag):
     return scalars
 
 
+@contextlib.contextmanager
+def batches_taken_eagerly():
+    """Within the block, the batches taken out of an iterator in Python
+    (eagerly), not inside a traced function: a `tf.data` iterator's, or a
+    `tf.distribute` strategy's distributed iterator's. Yields a list that
+    gets one entry per batch so taken."""
+    import tensorflow as tf
+    from tensorflow.python.data.ops import iterator_ops
+    from tensorflow.python.distribute import input_lib
+
+    get_next = {
+        iterator_ops.OwnedIterator._next_internal.__code__,
+        input_lib.DistributedIteratorBase.get_next.__code__,
+    }
+    taken = []
+
+    def outermost(frame):
+        # A distributed iterator's batch is taken from its replicas'
+        # iterators: one batch.
+        caller = frame.f_back
+        while caller is not None:
+            if caller.f_code in get_next:
+                return False
+            caller = caller.f_back
+        return True
+
+    def profile(frame, event, arg):
+        if (
+            event == "call"
+            and frame.f_code in get_next
+            and tf.executing_eagerly()
+            and outermost(frame)
+        ):
+            taken.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        yield taken
+    finally:
+        sys.setprofile(None)
+
+
+def eager_batches(model, data, **kwargs) -> int:
+    """The batches `model.fit(data)` takes out of its iterator eagerly
+    (`batches_taken_eagerly`)."""
+    with batches_taken_eagerly() as taken:
+        model.fit(data, verbose=0, **kwargs)
+    return len(taken)
+
+
 def run_in_fresh_process(args, env):
     """Runs `python *args` in a fresh process; returns its RESULTS JSON.
 

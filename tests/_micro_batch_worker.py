@@ -1,9 +1,12 @@
 """`micro_batch_size` under `tf.distribute.MirroredStrategy` on two logical
 CPUs, against a plain `keras.Model` at the same global batch; run in a
 fresh process by `test_micro_batch.py` (the devices must be set up before
-TensorFlow starts). Prints `RESULTS {...}`."""
+TensorFlow starts), every case in one process. Prints `RESULTS {...}`:
+each case's figures, or its traceback."""
 
 import json
+import traceback
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -14,7 +17,18 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
-from _helpers import assert_equivalent  # noqa: E402
+from _helpers import (  # noqa: E402
+    LargeBatch,
+    assert_equivalent,
+    batches_taken_eagerly,
+    eager_batches,
+    mlp,
+    regression_data,
+)
+
+# The out-of-memory layer (a real allocation refused) and its data, as
+# test_auto_micro_batch.py injects them on one device.
+from test_auto_micro_batch import _Arm, _oom_data, _oom_model  # noqa: E402
 
 import keras_accum  # noqa: E402
 
@@ -31,11 +45,11 @@ def build(cls, **kwargs):
     return model
 
 
-def main():
+def split(strategy):
+    """Arrays: each replica splits its part of every global batch of 32."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(70, 5)).astype("float32")
     y = rng.normal(size=(70, 2)).astype("float32")
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     with strategy.scope():
         accum = build(keras_accum.AccumModel, micro_batch_size=7)
     plain = build(keras.Model)
@@ -49,18 +63,87 @@ def main():
         )
         for key, value in accum_history.history.items()
     }
-    print(
-        "RESULTS "
-        + json.dumps(
-            {
-                "replicas": strategy.num_replicas_in_sync,
-                "diff": diff,
-                "updates": int(accum.optimizer.iterations.numpy()),
-                "plain_updates": int(plain.optimizer.iterations.numpy()),
-                "logs": logs,
-            }
+    return {
+        "diff": diff,
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "plain_updates": int(plain.optimizer.iterations.numpy()),
+        "logs": logs,
+    }
+
+
+def graph(strategy):
+    """A `tf.data` pipeline: the batches the split train function (three
+    steps per execution) and `keras.Model`'s (one: Keras's own fails
+    under `MirroredStrategy` with more) take out of the distributed
+    iterator eagerly."""
+    x, y = regression_data(n=70)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    with strategy.scope():
+        accum = mlp(keras_accum.AccumModel, micro_batch_size=7)
+        accum.compile(optimizer="adam", loss="mse", steps_per_execution=3)
+        plain = mlp()
+        plain.compile(optimizer="adam", loss="mse")
+    reference = LargeBatch(plain)
+    return {
+        "eager": eager_batches(accum, data),
+        "plain_eager": eager_batches(reference, data),
+        "updates": int(accum.optimizer.iterations.numpy()),
+        "diff": assert_equivalent(accum, reference),
+    }
+
+
+def out_of_memory(strategy):
+    """Three steps per execution; replica 1's second micro-batch of 4 in
+    the second step runs out of memory (a cost of 8 above 4.5): undone and
+    redone at 2, and the call's third step runs after it."""
+    x, y = _oom_data()
+    x, y = np.concatenate([x, x[:16]]), np.concatenate([y, y[:16]])
+    # Each global batch of 16 gives each replica 8 rows. Only rows 28 to
+    # 31 cost (2 each): replica 1's second piece of the second batch.
+    x[:, 0] = 0.0
+    x[28:32, 0] = 2.0
+    with strategy.scope():
+        model = _oom_model(keras_accum.AccumModel, 4.5, micro_batch_size=4)
+        model.compile(
+            optimizer="adam",
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=3,
         )
-    )
+    plain = _oom_model(keras.Model, None)
+    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    reference = LargeBatch(plain)
+    common = {"batch_size": 16, "shuffle": False, "verbose": 0}
+    expected = reference.fit(x, y, **common)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with batches_taken_eagerly() as taken:
+            history = model.fit(x, y, callbacks=[_Arm()], **common)
+    logs = {
+        key: float(np.max(np.abs(np.subtract(history.history[key], value))))
+        for key, value in expected.history.items()
+    }
+    return {
+        "eager": len(taken),
+        "shrinks": [
+            str(w.message) for w in caught if "ran out of memory" in str(w)
+        ],
+        "updates": int(model.optimizer.iterations.numpy()),
+        "diff": assert_equivalent(model, reference, update=2),
+        "logs": logs,
+        "choices": model.micro_batch_choices,
+    }
+
+
+def main():
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    results = {"replicas": strategy.num_replicas_in_sync}
+    for case in (split, graph, out_of_memory):
+        try:
+            results[case.__name__] = case(strategy)
+        except Exception:  # noqa: BLE001 (reported to the test)
+            results[case.__name__] = {"traceback": traceback.format_exc()}
+    print("RESULTS " + json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from _helpers import (
     assert_equivalent,
     batch_norm_data,
     batch_norm_model,
+    eager_batches,
     mlp,
     moving_statistics,
     regression_data,
@@ -130,29 +131,6 @@ def test_a_dataset_of_batches_splits_each_one(report_diff):
     report_diff(assert_equivalent(accum, plain), "micro_batch_size, weighted")
 
 
-def _eager_batches(model, data, **kwargs) -> int:
-    """The batches `model.fit(data)` takes out of a `tf.data` iterator in
-    Python (eagerly), not inside a traced function."""
-    import sys
-
-    import tensorflow as tf
-    from tensorflow.python.data.ops import iterator_ops
-
-    get_next = iterator_ops.OwnedIterator._next_internal.__code__
-    taken = []
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is get_next:
-            taken.append(tf.executing_eagerly())
-
-    sys.setprofile(profile)
-    try:
-        model.fit(data, verbose=0, **kwargs)
-    finally:
-        sys.setprofile(None)
-    return sum(taken)
-
-
 @pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
     reason="the other backends' Keras functions take their batches in "
@@ -171,8 +149,8 @@ def test_a_tf_data_pipeline_s_batches_stay_in_the_graph(steps_per_execution):
     kwargs = {"steps_per_execution": steps_per_execution}
     plain = LargeBatch(_compiled(mlp(), **kwargs))
     accum = _compiled(mlp(keras_accum.AccumModel, micro_batch_size=M), **kwargs)
-    expected = _eager_batches(plain, data)
-    assert _eager_batches(accum, data) == expected
+    expected = eager_batches(plain, data)
+    assert eager_batches(accum, data) == expected
     assert int(accum.optimizer.iterations) == 3
     assert_equivalent(accum, plain)
 
@@ -389,10 +367,11 @@ def test_the_size_travels_with_configs_clones_and_files(tmp_path):
     assert model.get_config()["micro_batch_size"] is None
 
 
-@pytest.mark.tensorflow_only(reason="tf.distribute")
-def test_mirrored_strategy_splits_each_replicas_part(report_diff):
-    # Each replica splits its part of the global batch; the window's close
-    # (its one exchange) runs after the loop, on the last micro-batch.
+@pytest.fixture(scope="module")
+def mirrored():
+    """Every `MirroredStrategy` case of `_micro_batch_worker.py`, run in
+    one fresh process (two logical CPUs, set before TensorFlow starts);
+    each test reads its case."""
     worker = Path(__file__).with_name("_micro_batch_worker.py")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("TF_CONFIG", None)
@@ -401,10 +380,60 @@ def test_mirrored_strategy_splits_each_replicas_part(report_diff):
     )
     results = run_in_fresh_process([worker], env)
     assert results["replicas"] == 2
+    return results
+
+
+def _case(results, name):
+    found = results[name]
+    assert "traceback" not in found, found["traceback"]
+    return found
+
+
+@pytest.mark.tensorflow_only(reason="tf.distribute")
+def test_mirrored_strategy_splits_each_replicas_part(mirrored, report_diff):
+    # Each replica splits its part of the global batch; the window's close
+    # (its one exchange) runs after the loop, on the last micro-batch.
+    results = _case(mirrored, "split")
     assert results["updates"] == results["plain_updates"] == 6
     assert set(results["logs"]) == {"loss", "mae"}
     assert max(results["logs"].values()) < 1e-5, results["logs"]
     report_diff(results["diff"], "micro_batch_size, MirroredStrategy")
+
+
+@pytest.mark.tensorflow_only(reason="tf.distribute")
+def test_a_distributed_iterator_s_batches_stay_in_the_graph(
+    mirrored, report_diff
+):
+    """Under `MirroredStrategy` the split train function takes each
+    replica's part of its batches out of the distributed iterator inside
+    the graph, three steps per execution: none passes through Python
+    (each did, 3 in all), no more than `keras.Model`'s (1, its build's);
+    and the training is `Model(B)`'s."""
+    results = _case(mirrored, "graph")
+    assert results["eager"] == 0
+    assert results["plain_eager"] >= results["eager"]
+    assert results["updates"] == 3
+    report_diff(results["diff"], "micro_batch_size, MirroredStrategy, graph")
+
+
+@pytest.mark.tensorflow_only(reason="tf.distribute")
+def test_out_of_memory_under_a_strategy_loses_no_batch(mirrored, report_diff):
+    """Under `MirroredStrategy`, three steps per execution, one replica's
+    micro-batch of the second step runs out of memory in the graph (a
+    real allocation refused): the kept batch is rebuilt on the replicas,
+    undone and redone at half the size, and the third step runs after
+    it: three updates, each `Model(16)`'s, no batch through Python."""
+    results = _case(mirrored, "out_of_memory")
+    assert results["eager"] == 0
+    (shrink,) = results["shrinks"]
+    assert "micro_batch_size=4" in shrink and "micro_batch_size=2" in shrink
+    (choice,) = results["choices"]
+    assert choice["reason"] == "out of memory"
+    assert choice["micro_batch_size"] == 2
+    assert results["updates"] == 3
+    assert set(results["logs"]) == {"loss", "mae"}
+    assert max(results["logs"].values()) < 1e-5, results["logs"]
+    report_diff(results["diff"], "micro_batch_size, MirroredStrategy, OOM")
 
 
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
