@@ -31,6 +31,23 @@ if os.environ["KERAS_BACKEND"] == "jax":
         os.environ["XLA_FLAGS"] = (
             flags + " --xla_force_host_platform_device_count=2"
         ).strip()
+    # One compilation cache for the run: the tests build the same small
+    # models again and again, and XLA compiles each step anew in every
+    # test (a new function each time) where the cache hands back the
+    # executable of the same program (tests/test_auto.py, one process:
+    # 97 CPU-s without, 83 with).
+    # The controller's directory, which the workers and the tests'
+    # subprocesses inherit; removed at its exit.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        cache = tempfile.mkdtemp(prefix="keras-accum-jax-cache-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import keras
 import pytest
