@@ -626,7 +626,11 @@ def _in_fast_layout(param):
     """An equation's parameter, its closed jaxprs' convolutions in the fast
     layout (an open jaxpr, as `jax.checkpoint`'s, is left as it is)."""
     if isinstance(param, tuple):
-        return tuple(_in_fast_layout(p) for p in param)
+        # Rebuilt only where a jaxpr in it changed: a named tuple (a sparse
+        # array's `spinfo`) stays one.
+        items = tuple(_in_fast_layout(p) for p in param)
+        changed = any(a is not b for a, b in zip(items, param, strict=True))
+        return items if changed else param
     if isinstance(param, jaxpr_core.ClosedJaxpr) and _needs_layout(param.jaxpr):
         return jax.make_jaxpr(
             lambda *args: _evaluated(param.jaxpr, param.consts, *args)

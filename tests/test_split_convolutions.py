@@ -41,6 +41,43 @@ def test_a_split_batch_through_convolutions_equals_the_large_batch():
 
 
 @pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="Keras takes no sparse inputs on PyTorch",
+)
+def test_a_sparse_batch_through_convolutions_equals_the_large_batch():
+    """Before, on JAX: the loop's body, traced again for its convolutions,
+    handed a sparse array's parameters to JAX as a plain tuple, and the
+    step failed (`'tuple' object has no attribute 'shape'`)."""
+    import scipy.sparse
+
+    rng = np.random.default_rng(3)
+    # Two stored values a row: every batch holds as many (one shape for
+    # JAX to compile).
+    dense = rng.normal(size=(20, 12)).astype("float32")
+    dense[rng.random((20, 12)).argsort(axis=1) >= 2] = 0.0
+    x = scipy.sparse.csr_matrix(dense)
+    y = rng.normal(size=(20, 1)).astype("float32")
+
+    def build(model_cls, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((12,), sparse=True)
+        hidden = keras.layers.Reshape((4, 4))(keras.layers.Dense(16)(inputs))
+        hidden = keras.layers.Conv1D(2, 2, activation="tanh")(hidden)
+        outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
+        model = model_cls(inputs, outputs, **kwargs)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    reference = LargeBatch(build(keras.Model))
+    accum = build(keras_accum.AccumModel, micro_batch_size=3)
+    common = {"batch_size": 10, "shuffle": False, "verbose": 0}
+    reference.fit(x, y, **common)
+    accum.fit(x, y, **common)
+    assert int(accum.optimizer.iterations) == 2
+    assert_same_weights(accum, reference)
+
+
+@pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="XLA:CPU's compiled step"
 )
 def test_jax_split_step_convolves_in_the_fast_layout_on_cpu():
