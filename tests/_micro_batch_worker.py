@@ -6,7 +6,6 @@ each case's figures, or its traceback."""
 
 import json
 import traceback
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +27,7 @@ from _helpers import (  # noqa: E402
 
 # The out-of-memory layer (a real allocation refused) and its data, as
 # test_auto_micro_batch.py injects them on one device.
-from test_auto_micro_batch import _Arm, _oom_data, _oom_model  # noqa: E402
+from test_auto_micro_batch import _armed_fit, _oom_data, _oom_model  # noqa: E402
 
 import keras_accum  # noqa: E402
 
@@ -110,24 +109,16 @@ def out_of_memory(strategy):
             metrics=["mae"],
             steps_per_execution=3,
         )
-    plain = _oom_model(keras.Model, None)
-    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    reference = LargeBatch(plain)
-    common = {"batch_size": 16, "shuffle": False, "verbose": 0}
-    expected = reference.fit(x, y, **common)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with batches_taken_eagerly() as taken:
-            history = model.fit(x, y, callbacks=[_Arm()], **common)
+    reference, expected, history, messages, taken = _armed_fit(
+        model, x, y, during=batches_taken_eagerly()
+    )
     logs = {
         key: float(np.max(np.abs(np.subtract(history.history[key], value))))
         for key, value in expected.history.items()
     }
     return {
         "eager": len(taken),
-        "shrinks": [
-            str(w.message) for w in caught if "ran out of memory" in str(w)
-        ],
+        "shrinks": [m for m in messages if "ran out of memory" in m],
         "updates": int(model.optimizer.iterations.numpy()),
         "diff": assert_equivalent(model, reference, update=2),
         "logs": logs,

@@ -575,15 +575,10 @@ def _fit_against_model_16(model, costs=None):
     if costs is not None:
         x[:, 0] = costs
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    plain = _oom_model(keras.Model, None)
-    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    reference = LargeBatch(plain)
     recorder = UpdateRecorder()
-    common = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
-    expected = reference.fit(x, y, **common)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        history = model.fit(x, y, callbacks=[_Arm(), recorder], **common)
+    reference, expected, history, messages, _ = _armed_fit(
+        model, x, y, epochs=2, callbacks=[recorder]
+    )
     # Nothing of a failed attempt stays: one update per batch, each equal
     # to `Model(16)`'s, and the same logged loss and metric.
     assert int(model.optimizer.iterations) == 4
@@ -594,7 +589,28 @@ def _fit_against_model_16(model, costs=None):
         np.testing.assert_allclose(
             history.history[key], expected.history[key], rtol=1e-5
         )
-    return [str(w.message) for w in caught]
+    return messages
+
+
+def _armed_fit(model, x, y, epochs=1, callbacks=(), during=None):
+    """Fits a plain `Model(16)` on `x`, `y` in batches of 16, then `model`
+    with its out-of-memory layer armed (`_Arm`), inside the context
+    manager `during` where given. Returns `(reference, its history,
+    model's history, the messages of the warnings model's fit gave, what
+    `during` yielded)`."""
+    plain = _oom_model(keras.Model, None)
+    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    reference = LargeBatch(plain)
+    common = {"batch_size": 16, "epochs": epochs, "shuffle": False}
+    expected = reference.fit(x, y, verbose=0, **common)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with during or contextlib.nullcontext() as seen:
+            history = model.fit(
+                x, y, callbacks=[_Arm(), *callbacks], verbose=0, **common
+            )
+    messages = [str(w.message) for w in caught]
+    return reference, expected, history, messages, seen
 
 
 # JAX sees sizes only: above 4 samples. Elsewhere a cost above 4.5.
@@ -645,16 +661,9 @@ def test_out_of_memory_inside_an_execution_loses_no_batch():
     model.compile(
         optimizer="adam", loss="mse", metrics=["mae"], steps_per_execution=3
     )
-    plain = _oom_model(keras.Model, None)
-    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    reference = LargeBatch(plain)
-    common = {"batch_size": 16, "shuffle": False, "verbose": 0}
-    expected = reference.fit(x, y, **common)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        history = model.fit(x, y, callbacks=[_Arm()], **common)
-    shrinks = [w for w in caught if "ran out of memory" in str(w.message)]
-    assert len(shrinks) == 1, [str(w.message) for w in caught]
+    reference, expected, history, messages, _ = _armed_fit(model, x, y)
+    shrinks = [m for m in messages if "ran out of memory" in m]
+    assert len(shrinks) == 1, messages
     assert int(model.optimizer.iterations) == 3
     assert_equivalent(model, reference, update=2)
     for key in ("loss", "mae"):
