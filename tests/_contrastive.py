@@ -376,3 +376,23 @@ def in_batch_accuracy(y_true, y_pred):
         ops.argmax(logits, axis=1), ops.arange(ops.shape(logits)[0])
     )
     return ops.cast(hits, "float32")
+
+
+def compiled_case(name, model_cls, encoder, optimizer, **kwargs):
+    """Seed 1, no dropout: `"clip"`'s model (its loss and
+    `in_batch_accuracy`), or for another `name` the two-tower `encoder`
+    (a `DualEncoder`) with L2 on each tower's first kernel, losses the
+    model adds itself; compiled with `optimizer`."""
+    keras.utils.set_random_seed(1)
+    if name == "clip":
+        model = CASES["clip"][0](model_cls, dropout=0.0, **kwargs)
+        loss, metrics = CASES["clip"][2], [in_batch_accuracy]
+    else:
+        model = _subclass(encoder, model_cls)(dropout=0.0, **kwargs)
+        model(CASES["clip"][1](2)[0])
+        for tower in (model.image_tower, model.text_tower):
+            tower.layers[0].kernel.regularizer = keras.regularizers.L2(0.05)
+        assert len(model.losses) == 2  # The regularization counts.
+        loss, metrics = None, None
+    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
+    return model

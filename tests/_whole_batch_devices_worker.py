@@ -41,8 +41,7 @@ from _contrastive import (  # noqa: E402
     CASES,
     DualEncoder,
     _cross_entropy_rows,
-    _subclass,
-    in_batch_accuracy,
+    compiled_case,
 )
 from _helpers import (  # noqa: E402
     assert_same_weights,
@@ -81,19 +80,6 @@ class ReplicaDualEncoder(DualEncoder):
 
 
 def build(name, model_cls, **kwargs):
-    keras.utils.set_random_seed(1)
-    if name == "clip":
-        model = CASES["clip"][0](model_cls, dropout=0.0, **kwargs)
-        loss = CASES["clip"][2]
-        metrics = [in_batch_accuracy]
-    else:
-        model = _subclass(ReplicaDualEncoder, model_cls)(dropout=0.0, **kwargs)
-        model(data("clip")[0])
-        # L2 on each tower's first kernel: losses the model adds itself.
-        for tower in (model.image_tower, model.text_tower):
-            tower.layers[0].kernel.regularizer = keras.regularizers.L2(0.05)
-        assert len(model.losses) == 2  # The regularization counts.
-        loss, metrics = None, None
     # SGD with momentum for one, Adam for the other. (Adam's first step
     # takes a gradient's sign: on the CLIP model's data here a bias whose
     # gradient is near zero moved 1.8e-5 apart, float32 rounding of the
@@ -102,8 +88,9 @@ def build(name, model_cls, **kwargs):
         optimizer = keras.optimizers.SGD(0.3, momentum=0.9)
     else:
         optimizer = keras.optimizers.Adam(0.05)
-    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
-    return model
+    return compiled_case(
+        name, model_cls, ReplicaDualEncoder, optimizer, **kwargs
+    )
 
 
 def data(name):

@@ -24,7 +24,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from _contrastive import CASES, DualEncoder, _subclass, in_batch_accuracy
+from _contrastive import CASES, DualEncoder, compiled_case
 from _helpers import (
     assert_same_weights,
     fit_recording,
@@ -99,28 +99,9 @@ def test_another_strategy_is_refused_naming_it(mirrored):
 SIZES = (8, 8, 8)
 
 
-def regularize(model):
-    """L2 on each tower's first kernel: losses the model adds itself."""
-    for tower in (model.image_tower, model.text_tower):
-        tower.layers[0].kernel.regularizer = keras.regularizers.L2(0.05)
-
-
 def _build(name, model_cls, **kwargs):
-    keras.utils.set_random_seed(1)
-    if name == "clip":
-        model = CASES["clip"][0](model_cls, dropout=0.0, **kwargs)
-        loss = CASES["clip"][2]
-        metrics = [in_batch_accuracy]
-    else:
-        model = _subclass(DualEncoder, model_cls)(dropout=0.0, **kwargs)
-        model(CASES["clip"][1](2)[0])
-        regularize(model)
-        assert len(model.losses) == 2  # The regularization counts.
-        loss, metrics = None, None
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.05), loss=loss, metrics=metrics
-    )
-    return model
+    optimizer = keras.optimizers.Adam(0.05)
+    return compiled_case(name, model_cls, DualEncoder, optimizer, **kwargs)
 
 
 def _fit_side_by_side(name):
