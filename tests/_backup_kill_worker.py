@@ -11,12 +11,24 @@ after that weights file is complete, before `BackupAndRestore` writes
 resumes the run (tests/test_robustness.py). `plain` trains a `keras.Model`
 instead, `double` passes `double_checkpoint=True` (the figures in
 docs/guides/robustness.md).
+
+    python _backup_kill_worker.py --snapshots OUT_DIR NAME=FLAGS...
+
+The runs of one process, one after another (TensorFlow's or JAX's start
+once, not once per run), each killed at the third save: `FLAGS` are the
+flags above joined by `+` (or `-` for none). At the point where the
+process would end, the run's backup folder is copied to `OUT_DIR/NAME`:
+the bytes the kill leaves on disk (it flushes nothing of the process's
+own, and neither does a copy, which reads what the operating system
+holds); then the run is abandoned and the next one starts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import keras
 from _helpers import regression_data
@@ -25,6 +37,26 @@ import keras_accum
 
 DATA = regression_data(n=70)
 B, K, EPOCHS = 8, 4, 4
+
+
+class Killed(BaseException):
+    """Abandons a run in `--snapshots` mode (no `except Exception` in
+    Keras or the library stops it)."""
+
+
+# `--snapshots` mode: `(backup_dir, out_dir)` of the run in progress.
+SNAPSHOT = []
+
+
+def kill():
+    """Ends the process, or in `--snapshots` mode copies the backup folder
+    as the kill leaves it and abandons the run."""
+    sys.stdout.flush()
+    if not SNAPSHOT:
+        os._exit(17)
+    backup_dir, out_dir = SNAPSHOT.pop()
+    shutil.copytree(backup_dir, out_dir)
+    raise Killed()
 
 
 class SaveTripwire(keras.layers.Layer):
@@ -41,8 +73,7 @@ class SaveTripwire(keras.layers.Layer):
     def save_own_variables(self, store):
         self.saves += 1
         if self.saves == self.exit_on_save:
-            sys.stdout.flush()
-            os._exit(17)
+            kill()
 
 
 def build(plain=False, exit_on_save=0):
@@ -83,15 +114,13 @@ def exit_after_save(model, at):
         save(*args, **kwargs)
         saves.append(args)
         if len(saves) == at:
-            sys.stdout.flush()
-            os._exit(17)
+            kill()
 
     model.save_weights = save_then_exit
 
 
-if __name__ == "__main__":
-    backup_dir, kill_at = sys.argv[1], int(sys.argv[2])
-    flags = sys.argv[3:]
+def killed_run(backup_dir, kill_at, flags):
+    """Trains until killed at the `kill_at`-th save (see the module)."""
     between = "between" in flags
     model = build(
         plain="plain" in flags, exit_on_save=0 if between else kill_at
@@ -103,3 +132,23 @@ if __name__ == "__main__":
     )
     fit(model, [backup])
     sys.exit("the run was not killed")
+
+
+def snapshots(out_dir, runs):
+    for run in runs:
+        name, flags = run.split("=")
+        with tempfile.TemporaryDirectory() as work:
+            backup_dir = os.path.join(work, "backup")
+            SNAPSHOT.append((backup_dir, os.path.join(out_dir, name)))
+            try:
+                killed_run(backup_dir, 3, flags.split("+"))
+            except Killed:
+                pass
+    print("SNAPSHOTS", len(os.listdir(out_dir)), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--snapshots":
+        snapshots(sys.argv[2], sys.argv[3:])
+    else:
+        killed_run(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

@@ -10,11 +10,12 @@ and multi-worker collectives must be configured before TensorFlow starts:
     TF_CONFIG=... python _distributed_worker.py multi_worker OUT.json
     python _distributed_worker.py built_outside_the_scope
 
-Each case trains an `AccumModel` under the strategy (global micro-batch
-B = 8, accum_steps = 4) and a plain `keras.Model` on one device at batch
-32, from the same initial weights on the same 70 samples, asserts that
-their weights are equal (`_helpers.assert_equivalent`), and reports the
-max weight difference and both update counts.
+Each case (across workers, those of `MULTI_WORKER_CASES`) trains an
+`AccumModel` under the strategy (global micro-batch B = 8, accum_steps =
+4) and a plain `keras.Model` on one device at batch 32, from the same
+initial weights on the same 70 samples, asserts that their weights are
+equal (`_helpers.assert_equivalent`), and reports the max weight
+difference and both update counts.
 
 Not run: `jit_compile=True` and `steps_per_execution > 1`, which plain
 Keras 3.15 models also fail under `MirroredStrategy` on CPU devices
@@ -396,16 +397,43 @@ def every_mirrored_case():
     return results
 
 
-def equivalence_cases():
-    """The four equivalence cases, and what the traced steps exchange."""
+EQUIVALENCE_CASES = {
+    "adam": lambda: case("adam"),
+    "sgd_momentum_sample_weight": lambda: case(
+        "sgd_momentum_sample_weight", "sgd_momentum", weighted=True
+    ),
+    "adamw_weight_decay_global_clipnorm": lambda: case(
+        "adamw_weight_decay_global_clipnorm", "adamw_clip"
+    ),
+    "unknown_length_dataset": lambda: case(
+        "unknown_length_dataset", "sgd_momentum", unknown_length=True
+    ),
+    # Across workers (`MULTI_WORKER_CASES`), what depends on what crosses
+    # them, in one case: the data of unknown length sharded between them
+    # (each worker's windows close together), and the clip, which reads
+    # the norm of the gradient summed over every worker. Adam and the
+    # sample weights take the cross-replica path of `MirroredStrategy`,
+    # where they run.
+    "unknown_length_dataset_global_clipnorm": lambda: case(
+        "unknown_length_dataset_global_clipnorm",
+        "adamw_clip",
+        unknown_length=True,
+    ),
+}
+MIRRORED_CASES = (
+    "adam",
+    "sgd_momentum_sample_weight",
+    "adamw_weight_decay_global_clipnorm",
+    "unknown_length_dataset",
+)
+MULTI_WORKER_CASES = ("unknown_length_dataset_global_clipnorm",)
+
+
+def equivalence_cases(names=MIRRORED_CASES):
+    """The equivalence cases `names`, and what the traced steps exchange."""
     return {
         "replicas": STRATEGY.num_replicas_in_sync,
-        "cases": [
-            case("adam"),
-            case("sgd_momentum_sample_weight", "sgd_momentum", weighted=True),
-            case("adamw_weight_decay_global_clipnorm", "adamw_clip"),
-            case("unknown_length_dataset", "sgd_momentum", unknown_length=True),
-        ],
+        "cases": [EQUIVALENCE_CASES[name]() for name in names],
         "communication": communication(),
     }
 
@@ -423,7 +451,10 @@ def main():
     if len(sys.argv) > 2 and sys.argv[2] == "auto":
         print("RESULTS " + json.dumps(auto_case()), flush=True)
         return
-    results = equivalence_cases()
+    if MODE == "multi_worker":
+        results = equivalence_cases(MULTI_WORKER_CASES)
+    else:
+        results = equivalence_cases()
     text = json.dumps(results)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

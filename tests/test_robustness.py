@@ -2,6 +2,7 @@
 resuming mid-window, refusals, and a property test of the promise."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -271,10 +272,31 @@ def test_backup_and_restore_resumes_an_open_window(tmp_path, report_diff):
     report_diff(max_weight_diff(reference, second), "BackupAndRestore resume")
 
 
-def _killed_during_backup(backup_dir, kill_at_save, *extra):
+# The killed runs, by name: their flags (`_backup_kill_worker.py`), each
+# killed at its third backup (the end of epoch 3 of 4).
+KILLED_RUNS = {
+    "during": "-",
+    "between": "between",
+    "between_double": "between+double",
+}
+if BACKEND == "tensorflow":
+    # The plain model's (`tensorflow_only` tests below).
+    KILLED_RUNS.update(
+        plain_during="plain",
+        plain_during_double="plain+double",
+        plain_between="plain+between",
+    )
+
+
+@pytest.fixture(scope="module")
+def killed_backups(tmp_path_factory):
+    """Every killed run's backup folder as the kill left it, from one
+    worker process (`--snapshots`: Keras's start once, not once a run)."""
     worker = Path(__file__).with_name("_backup_kill_worker.py")
+    out = tmp_path_factory.mktemp("killed")
+    runs = [f"{name}={flags}" for name, flags in KILLED_RUNS.items()]
     result = subprocess.run(
-        [sys.executable, worker, backup_dir, str(kill_at_save), *extra],
+        [sys.executable, worker, "--snapshots", out, *runs],
         cwd=worker.parent,
         env={**os.environ, "KERAS_BACKEND": BACKEND},
         capture_output=True,
@@ -282,7 +304,16 @@ def _killed_during_backup(backup_dir, kill_at_save, *extra):
         timeout=600,
         check=False,
     )
-    assert result.returncode == 17, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"SNAPSHOTS {len(runs)}" in result.stdout, result.stdout
+    return out
+
+
+def _killed_during_backup(killed_backups, name, tmp_path):
+    """A copy of the killed run `name`'s backup folder, to resume from."""
+    backup = tmp_path / "backup"
+    shutil.copytree(killed_backups / name, backup)
+    return backup
 
 
 def _resume_and_compare(backup, plain=False, double_checkpoint=False):
@@ -309,14 +340,13 @@ def _resume_and_compare(backup, plain=False, double_checkpoint=False):
     return resumed, reference, len(history.history["loss"])
 
 
-def test_killed_during_a_backup_write_resumes_exactly(tmp_path):
+def test_killed_during_a_backup_write_resumes_exactly(tmp_path, killed_backups):
     """Before: the kill tore `latest.weights.h5` (Keras writes it in
     place), and every restart failed with `OSError: Unable to
     synchronously open file`. `AccumModel` writes the file beside it and
     renames it when complete: the previous backup (epoch 2's) survives, and
     the restart replays epochs 3 and 4 exactly."""
-    backup = tmp_path / "backup"
-    _killed_during_backup(backup, 3)  # The end of epoch 3 of 4.
+    backup = _killed_during_backup(killed_backups, "during", tmp_path)
     resumed, reference, epochs_run = _resume_and_compare(backup)
     assert epochs_run == 2
     assert resumed.mini_step == reference.mini_step
@@ -324,15 +354,14 @@ def test_killed_during_a_backup_write_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("double_checkpoint", [False, True])
 def test_killed_between_the_backup_files_resumes_exactly(
-    tmp_path, double_checkpoint
+    tmp_path, killed_backups, double_checkpoint
 ):
     """Before: killed after `BackupAndRestore` wrote the weights of epoch 3
     and before it wrote the epoch to `training_metadata.json`, the restart
     trained epoch 3 again on weights that had seen it (15 updates, not
     12), silently. The weights' own record of their epoch now decides."""
-    backup = tmp_path / "backup"
-    flags = ["between", "double"] if double_checkpoint else ["between"]
-    _killed_during_backup(backup, 3, *flags)  # The end of epoch 3 of 4.
+    name = "between_double" if double_checkpoint else "between"
+    backup = _killed_during_backup(killed_backups, name, tmp_path)
     with pytest.warns(UserWarning, match="stopped between writing the two"):
         resumed, reference, epochs_run = _resume_and_compare(
             backup, double_checkpoint=double_checkpoint
@@ -345,13 +374,12 @@ def test_killed_between_the_backup_files_resumes_exactly(
     reason="Keras's own BackupAndRestore files, the same on every backend"
 )
 def test_plain_model_killed_between_the_backup_files_replays_an_epoch(
-    tmp_path,
+    tmp_path, killed_backups
 ):
     """What docs/guides/robustness.md says of `keras.Model` there."""
     import _backup_kill_worker as worker
 
-    backup = tmp_path / "backup"
-    _killed_during_backup(backup, 3, "plain", "between")
+    backup = _killed_during_backup(killed_backups, "plain_between", tmp_path)
     resumed = worker.build(plain=True)
     history = worker.fit(
         resumed, [keras.callbacks.BackupAndRestore(str(backup))]
@@ -394,13 +422,14 @@ def test_a_backup_taken_mid_epoch_warns_that_keras_replays_it(tmp_path):
     reason="Keras's own BackupAndRestore files, the same on every backend"
 )
 @pytest.mark.parametrize("double_checkpoint", [False, True])
-def test_plain_model_killed_during_a_backup_write(tmp_path, double_checkpoint):
+def test_plain_model_killed_during_a_backup_write(
+    tmp_path, killed_backups, double_checkpoint
+):
     """What docs/guides/robustness.md says of `keras.Model`: a torn backup
     fails every restart, unless `double_checkpoint=True` (then Keras falls
     back to the previous backup and the run resumes exactly)."""
-    backup = tmp_path / "backup"
-    flags = ["plain", "double"] if double_checkpoint else ["plain"]
-    _killed_during_backup(backup, 3, *flags)
+    name = "plain_during_double" if double_checkpoint else "plain_during"
+    backup = _killed_during_backup(killed_backups, name, tmp_path)
     if not double_checkpoint:
         with pytest.raises(OSError, match="Unable to"):
             _resume_and_compare(backup, plain=True)
