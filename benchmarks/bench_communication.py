@@ -38,6 +38,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "communication.json"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _collectives import step_bytes  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workers  # noqa: E402
+
 
 def measure(variant: str, k: int, batch: int) -> tuple:
     import keras
@@ -134,6 +137,7 @@ def main():
     )
     if "keras" in sys.modules:
         raise SystemExit("run as a script: JAX's devices are set at import")
+    _workers.without_tensorflow()
     import jax
     import keras
 
