@@ -132,9 +132,11 @@ def main():
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # After the caller's own flags, if any.
+    flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={args.devices}"
-    )
+        f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
     if "keras" in sys.modules:
         raise SystemExit("run as a script: JAX's devices are set at import")
     _workers.without_tensorflow()

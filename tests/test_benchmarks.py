@@ -31,6 +31,16 @@ def _script(script, *args, env=None):
     return result
 
 
+# For the JAX processes: XLA's LLVM backend unoptimized. A smoke run's
+# time is mostly XLA compiling; this halves it, with the same compiled
+# memory analyses (checked on bench_low_precision.py's rows) and slower
+# machine code, which tiny sizes do not feel.
+_QUICK_XLA = {
+    "XLA_FLAGS": "--xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true"
+}
+
+
 def _in_process(script, *args):
     """Runs `benchmarks/<script>`'s `main(args)` in this process: for the
     TensorFlow scripts, whose own process would spend seconds of CPU
@@ -50,10 +60,11 @@ def _in_process(script, *args):
         sys.path[:] = path
 
 
-def _run(script, out, *args, run=_script):
+def _run(script, out, *args, run=_script, **kwargs):
     """Runs `benchmarks/<script>` writing `out`, in a process of its own or
     (`run=_in_process`) in this one; returns its JSON."""
-    run(script, "--models=mlp", "--samples-per-run=256", f"--out={out}", *args)
+    common = ("--models=mlp", "--samples-per-run=256", f"--out={out}")
+    run(script, *common, *args, **kwargs)
     return json.loads(out.read_text())
 
 
@@ -120,6 +131,7 @@ def test_micro_batch_script_smoke(tmp_path):
         "--accum-steps=4",
         "--rounds=2",
         "--memory",
+        env=_QUICK_XLA,
     )["rows"]
     assert [r["variant"] for r in rows] == ["split", "keras_ga", "large"]
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
@@ -285,7 +297,7 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
         [sys.executable, "-c", _BRANCHES, str(script), "--devices=2"]
         + ["--accum-steps=4", "--rounds=1", "--steps=8", f"--out={out}"],
         # The script sets JAX's devices and backend itself.
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": ""},
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **_QUICK_XLA},
         capture_output=True,
         text=True,
         timeout=300,
@@ -329,6 +341,7 @@ def test_auto_micro_batch_script_smoke(tmp_path):
         # JAX's figures are compiled analyses: the same in one process.
         "--in-process",
         f"--out={out}",
+        env=_QUICK_XLA,
     )
     (row,) = json.loads(out.read_text())["rows"]
     # JAX's figures are exact: the size chosen fits, the next does not.
@@ -341,7 +354,9 @@ def test_low_precision_benchmark_runs(tmp_path):
     # The sections run in a JAX process of the script's own, whatever
     # backend the suite runs under.
     out = tmp_path / "low_precision.json"
-    result = _script("bench_low_precision.py", "--quick", f"--json={out}")
+    result = _script(
+        "bench_low_precision.py", "--quick", f"--json={out}", env=_QUICK_XLA
+    )
     report = json.loads(out.read_text())
     assert report["quick"] is True
     for row in report["bias"]["rows"]:
