@@ -40,6 +40,11 @@ _QUICK_XLA = {
     " --xla_llvm_disable_expensive_passes=true"
 }
 
+# For the PyTorch processes: one OpenMP thread. Its pool's threads spin
+# while they wait: on a busy 2-core machine, up to twice a smoke run's
+# CPU seconds; nothing here asserts a time.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
 
 def _in_process(script, *args):
     """Runs `benchmarks/<script>`'s `main(args)` in this process: for the
@@ -114,6 +119,7 @@ def test_backends_script_smoke(tmp_path):
         "--backends=torch",
         "--ks=4",
         "--rounds=2",
+        env=_ONE_THREAD,
     )["rows"]
     assert {(r["backend"], r["variant"], r["k"]) for r in rows} == {
         ("torch", "accum", 4),
@@ -171,7 +177,10 @@ _CNN_ACCUM_4 = ("--steps=1", "--child", "cnn", "accum", "4", "2")
 
 def _memory_child(script, backend, *args):
     """What one measured process of `benchmarks/<script>` reports."""
-    result = _script(script, *args, env={"KERAS_BACKEND": backend})
+    env = {"KERAS_BACKEND": backend}
+    if backend == "torch":
+        env.update(_ONE_THREAD)
+    result = _script(script, *args, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
