@@ -44,6 +44,10 @@ def child_env():
     # Allocator statistics on every CPU (TensorFlow keeps them only as the
     # BFC allocator, its default only where it enables oneDNN).
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    # On JAX or PyTorch, no TensorFlow in the process measured.
+    from _workers import without_tensorflow
+
+    without_tensorflow()
 
 
 # -- Models -------------------------------------------------------------------

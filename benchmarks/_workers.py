@@ -11,6 +11,7 @@ first.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -19,6 +20,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def without_tensorflow():
+    """In a JAX or PyTorch process, before Keras is imported: makes
+    TensorFlow unimportable, so that Keras leaves it out.
+
+    `keras.utils.set_random_seed` imports TensorFlow wherever it is
+    installed, only to seed it: seconds of CPU per process, for a module
+    that a JAX or PyTorch measurement never runs. Keras treats it as not
+    installed (its optional imports catch the `ImportError`).
+    """
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend != "tensorflow" and "tensorflow" not in sys.modules:
+        sys.modules["tensorflow"] = None
 
 
 def run_worker(script, backend, args, options, flags=()):
@@ -120,15 +135,15 @@ def paired_ratios(times, variant, baseline):
 
 def write_report(out, rows, rounds, **settings):
     """Writes the results file `out`: the machine, the clock (CPU time),
-    `rounds`, `settings` and the rows. Imports Keras (for its version)."""
-    import keras
-
+    `rounds`, `settings` and the rows. Keras's version comes from the
+    installed package's metadata: the parent imports no Keras (under
+    TensorFlow, that import alone costs seconds of CPU)."""
     report = {
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
-            "keras": keras.__version__,
+            "keras": importlib.metadata.version("keras"),
         },
         "clock": "cpu",
         "rounds": rounds,

@@ -320,7 +320,7 @@ def plot(results, path, auto_label):
     print(f"wrote {path}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--seeds", type=int, default=3)
@@ -349,7 +349,7 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--plot", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.fixed = [int(k) for k in args.fixed.split(",") if k]
     results = json.loads(args.out.read_text()) if args.out.exists() else []
     if not (args.report or args.plot):

@@ -9,7 +9,10 @@ size. Reported per limit: the size picked, the peak it predicted, the
 peaks measured at that size and the next one (the next should be above
 the limit), the sizes the search measured, and the CPU seconds of the
 first epoch (with the search) against the next. Every figure comes from
-a fresh process.
+a fresh process; with `--in-process` (JAX only, for smoke runs), from the
+script's own: JAX's figures are compiled analyses, the same in any
+process, but the first epoch's CPU seconds then find some of JAX's caches
+warm.
 
 The measurements count what "auto" counts, the model's own memory: JAX,
 the compiled train step's `memory_analysis()` (arguments + outputs not
@@ -19,6 +22,7 @@ second step less the bytes in use when it began, plus the model's state
 
     python benchmarks/bench_auto_micro_batch.py
     python benchmarks/bench_auto_micro_batch.py --backends=jax --models=mlp
+    python benchmarks/bench_auto_micro_batch.py --backends=jax --in-process
 
 Results go to benchmarks/results/auto_micro_batch.json.
 """
@@ -42,6 +46,7 @@ def worker(args):
     """One task in a fresh process: `peak` (`--size`: the measured peak
     at that int size) or `auto` (`--limit`: the choice, and the first
     epoch's CPU seconds with the search and at the size chosen)."""
+    _workers.without_tensorflow()
     import keras
     import numpy as np
     from _variants import MODELS
@@ -129,6 +134,8 @@ def _task(args, backend, model, task, **values):
     args = argparse.Namespace(
         **{**vars(args), "models": model, "task": task, **values}
     )
+    if args.in_process:
+        return worker(args)[0]
     options = ("models", "batch", "task", *values)
     return _workers.run_worker(__file__, backend, args, options)[0]
 
@@ -191,6 +198,12 @@ def _parser():
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks/results/auto_micro_batch.json")
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every task in this process, not a fresh one each (JAX "
+        "only: a smoke run's shortcut)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
@@ -204,6 +217,15 @@ def main():
         _workers.print_rows(worker(args))
         return
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    if args.in_process:
+        if args.backends != "jax":
+            raise SystemExit(
+                "--in-process measures JAX only (compiled analyses); "
+                f"received --backends={args.backends}"
+            )
+        # As `_workers.run_worker` sets up a worker's process.
+        os.environ["KERAS_BACKEND"] = "jax"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rows = []
     for backend in args.backends.split(","):
         rows.extend(_rows(args, backend))

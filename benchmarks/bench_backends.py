@@ -42,6 +42,7 @@ VARIANTS = ("plain", "accum", "keras_ga")
 
 def worker(args):
     """Times the variants on the backend Keras was imported with."""
+    _workers.without_tensorflow()
     import keras
     import numpy as np
     from _variants import MODELS, compiled

@@ -38,6 +38,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "communication.json"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _collectives import step_bytes  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workers  # noqa: E402
+
 
 def measure(variant: str, k: int, batch: int) -> tuple:
     import keras
@@ -129,11 +132,14 @@ def main():
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # After the caller's own flags, if any.
+    flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={args.devices}"
-    )
+        f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
     if "keras" in sys.modules:
         raise SystemExit("run as a script: JAX's devices are set at import")
+    _workers.without_tensorflow()
     import jax
     import keras
 

@@ -19,7 +19,9 @@ Variants: `Model(B*k)` (the large batch) and `AccumModel(B, k)`, k = 8.
     python benchmarks/bench_loss_scale.py [--backends=tensorflow,jax,torch]
 
 Results go to benchmarks/results/loss_scale.json (or `--out`); the table
-is printed in Markdown.
+is printed in Markdown. Each backend runs in a worker process of its own;
+`--in-process` (one backend, a smoke run's shortcut) runs it in the
+script's process instead, on the backend `KERAS_BACKEND` names.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def worker(scales, dynamic_updates):
                 models[("large", s)], models[("accum", s)], strict=True
             )
         )
-    print(json.dumps({"one_update": one, "dynamic": dynamic}))
+    return {"one_update": one, "dynamic": dynamic}
 
 
 def _fmt(row):
@@ -164,6 +166,12 @@ def _parser():
         help="log2 of the initial loss scales",
     )
     parser.add_argument("--dynamic-updates", type=int, default=DYNAMIC_UPDATES)
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure the one backend of --backends in this process (the "
+        "backend KERAS_BACKEND names), not in a worker of its own",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -223,15 +231,31 @@ def _print_dynamic(results, scales, updates):
         print(f"| {s} |{cells}")
 
 
-def main():
-    args = _parser().parse_args()
+def _in_process(args, scales):
+    """`--in-process`: the one backend's results, from this process."""
+    import keras
+
+    if args.backends != keras.backend.backend():
+        raise SystemExit(
+            "--in-process measures the backend Keras runs on here "
+            f"({keras.backend.backend()}); received --backends={args.backends}"
+        )
+    return {args.backends: worker(scales, args.dynamic_updates)}
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     scales = [int(s) for s in args.scales.split(",")]
     if args.worker:
-        return worker(scales, args.dynamic_updates)
-    results = {
-        backend: _run_worker(args, backend)
-        for backend in args.backends.split(",")
-    }
+        print(json.dumps(worker(scales, args.dynamic_updates)))
+        return
+    if args.in_process:
+        results = _in_process(args, scales)
+    else:
+        results = {
+            backend: _run_worker(args, backend)
+            for backend in args.backends.split(",")
+        }
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     _print_one_update(results, scales)
     _print_dynamic(results, scales, args.dynamic_updates)

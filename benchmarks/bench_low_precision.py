@@ -58,6 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _memory
+import _workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,6 +74,7 @@ LM = {"vocab": 64, "seq": 32, "width": 64, "blocks": 1}
 # Sequences per micro-batch: bfloat16 matmuls are slow on this CPU (about
 # 20 ms a micro-batch of 32 sequences, 4 ms of 8).
 LM_BATCH = 8
+LM_EVAL = 2048  # Held-out sequences (the full run's; `--quick`: fewer).
 MEMORY_MLP = (1024, 2048, 2048, 1024)
 MEMORY_K = 8
 
@@ -96,14 +98,17 @@ FLOAT32_ROWS = ("plain", "f32", "bf16")
 def _settings(quick):
     """Sizes of every section: the full run's, or `--quick`'s."""
     if quick:
+        # Each model a section builds is a compile or two (most of a smoke
+        # run's time): one k for the bias, one window for the error.
         return {
-            "bias_ks": [8, 64],
+            "bias_ks": [8],
             "error_ks": [4],
-            "windows": 2,
+            "windows": 1,
             "train_ks": [4],
             "seeds": [0],
             "mlp_epochs": 1,
             "lm_updates": {4: 3},
+            "lm_eval": 256,
             "memory_mlp": [256, 512, 512, 256],
         }
     return {
@@ -198,7 +203,7 @@ def _load_mnist(path, quick):
         train = (flat(x), y.astype("int32"))
         return train, (flat(xt), yt.astype("int32")), "MNIST"
     rng = np.random.default_rng(0)
-    n = 4096 if quick else 60000
+    n = 1024 if quick else 60000
     x = rng.random((n + 1000, 784), dtype=np.float32)
     teacher = rng.standard_normal((784, 10))
     y = np.argmax((x - 0.5) @ teacher, axis=1).astype("int32")
@@ -533,8 +538,9 @@ def _train_lm(variant, k, seed, settings, data):
     model.fit(
         x, y, sample_weight=mask, batch_size=LM_BATCH, verbose=0, shuffle=False
     )
-    xe, ye, me = _sequences(2048, np.random.default_rng(10_000))
-    logits = model.predict(xe, batch_size=512, verbose=0)
+    evals = settings.get("lm_eval", LM_EVAL)
+    xe, ye, me = _sequences(evals, np.random.default_rng(10_000))
+    logits = model.predict(xe, batch_size=min(512, evals), verbose=0)
     return {"eval_loss": _cross_entropy(logits, ye, me), "updates": updates}
 
 
@@ -747,6 +753,7 @@ def _revision():
 def _child(args):
     """Runs the jobs of `--child`; prints their results as the last line."""
     revision = _revision()
+    _workers.without_tensorflow()
     import keras
 
     settings = {**_settings(args.quick), "quick": args.quick}
@@ -1105,7 +1112,8 @@ def _notes(report):
         "start, step 1..7), lengths 8..33 padded with 0, next-token "
         "targets, the padding mask as sample weights; fresh sequences "
         f"every update, {updates} (k = 128 sees twice the sequences). Eval: "
-        "token-weighted cross-entropy on 2,048 held-out sequences (floor "
+        f"token-weighted cross-entropy on "
+        f"{settings.get('lm_eval', LM_EVAL):,} held-out sequences (floor "
         "about 0.10: the second token is a guess among 7). Learning rate "
         "0.5 at both k (1.0 at k = 128 spiked on one seed of three).",
     }

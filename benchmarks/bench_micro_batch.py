@@ -38,6 +38,7 @@ VARIANTS = ("accum", "split", "keras_ga", "large")
 
 def worker(args):
     """Times the variants on the backend Keras was imported with."""
+    _workers.without_tensorflow()
     import keras
     import numpy as np
     from _variants import MODELS, compiled

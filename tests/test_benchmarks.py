@@ -1,9 +1,11 @@
 """The benchmark scripts run (tiny sizes); no test asserts a timing."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,11 +31,45 @@ def _script(script, *args, env=None):
     return result
 
 
-def _run(script, out, *args):
-    """Runs `benchmarks/<script>` writing `out`; returns its JSON."""
-    _script(
-        script, "--models=mlp", "--samples-per-run=256", f"--out={out}", *args
+# For the JAX processes: XLA's LLVM backend unoptimized. A smoke run's
+# time is mostly XLA compiling; this halves it, with the same compiled
+# memory analyses (checked on bench_low_precision.py's rows) and slower
+# machine code, which tiny sizes do not feel.
+_QUICK_XLA = {
+    "XLA_FLAGS": "--xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true"
+}
+
+# For the PyTorch processes: one OpenMP thread. Its pool's threads spin
+# while they wait: on a busy 2-core machine, up to twice a smoke run's
+# CPU seconds; nothing here asserts a time.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _in_process(script, *args):
+    """Runs `benchmarks/<script>`'s `main(args)` in this process: for the
+    TensorFlow scripts, whose own process would spend seconds of CPU
+    importing TensorFlow, which this one (the suite's) holds already."""
+    spec = importlib.util.spec_from_file_location(
+        Path(script).stem, ROOT / "benchmarks" / script
     )
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)  # The script adds benchmarks/ to it.
+    try:
+        with warnings.catch_warnings():
+            # Keras's, on `fit(dataset)`; its own process printed it unread.
+            warnings.filterwarnings("ignore", "`shuffle=True` was passed")
+            spec.loader.exec_module(module)
+            assert module.main(list(args)) in (0, None)
+    finally:
+        sys.path[:] = path
+
+
+def _run(script, out, *args, run=_script, **kwargs):
+    """Runs `benchmarks/<script>` writing `out`, in a process of its own or
+    (`run=_in_process`) in this one; returns its JSON."""
+    common = ("--models=mlp", "--samples-per-run=256", f"--out={out}")
+    run(script, *common, *args, **kwargs)
     return json.loads(out.read_text())
 
 
@@ -45,6 +81,7 @@ def test_throughput_script_smoke(tmp_path):
         "--ks=1,4",
         "--spe=1",
         "--rounds=1",
+        run=_in_process,
     )["rows"]
     assert {(r["variant"], r["k"]) for r in rows} == {
         ("plain", 1),
@@ -64,6 +101,7 @@ def test_noise_overhead_script_smoke(tmp_path):
         "--ks=4",
         "--every=1,2",
         "--rounds=3",
+        run=_in_process,
     )
     rows = report["rows"]
     assert [r["noise_scale_every"] for r in rows] == [0, 1, 2]
@@ -81,6 +119,7 @@ def test_backends_script_smoke(tmp_path):
         "--backends=torch",
         "--ks=4",
         "--rounds=2",
+        env=_ONE_THREAD,
     )["rows"]
     assert {(r["backend"], r["variant"], r["k"]) for r in rows} == {
         ("torch", "accum", 4),
@@ -98,6 +137,7 @@ def test_micro_batch_script_smoke(tmp_path):
         "--accum-steps=4",
         "--rounds=2",
         "--memory",
+        env=_QUICK_XLA,
     )["rows"]
     assert [r["variant"] for r in rows] == ["split", "keras_ga", "large"]
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
@@ -108,7 +148,7 @@ def test_micro_batch_script_smoke(tmp_path):
 
 def test_window_positions_script_smoke(tmp_path):
     out = tmp_path / "window_positions.json"
-    _script(
+    _in_process(
         "bench_window_positions.py",
         "--models=mlp",
         "--ks=2",
@@ -137,7 +177,10 @@ _CNN_ACCUM_4 = ("--steps=1", "--child", "cnn", "accum", "4", "2")
 
 def _memory_child(script, backend, *args):
     """What one measured process of `benchmarks/<script>` reports."""
-    result = _script(script, *args, env={"KERAS_BACKEND": backend})
+    env = {"KERAS_BACKEND": backend}
+    if backend == "torch":
+        env.update(_ONE_THREAD)
+    result = _script(script, *args, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -171,11 +214,12 @@ def test_gpu_memory_child_on_torch_smoke():
         assert row["total_peak_bytes"] > 0
 
 
-def test_loss_scale_script_smoke(tmp_path):
+def test_loss_scale_script_smoke(tmp_path, capsys):
     out = tmp_path / "loss_scale.json"
-    result = _script(
+    _in_process(
         "bench_loss_scale.py",
         "--backends=tensorflow",
+        "--in-process",
         "--scales=16",
         "--dynamic-updates=1",
         f"--out={out}",
@@ -188,15 +232,15 @@ def test_loss_scale_script_smoke(tmp_path):
         assert not row["skipped"] and row["relative_error"] < 1e-3
     (dynamic,) = results["dynamic"]["accum"]
     assert dynamic["skipped"] == 0
-    assert "| 16 |" in result.stdout
+    assert "| 16 |" in capsys.readouterr().out
 
 
-def test_auto_accum_script_smoke(tmp_path):
+def test_auto_accum_script_smoke(tmp_path, capsys):
     if not os.environ.get("TFDS_DATA_DIR"):
         pytest.skip("real MNIST needs TFDS_DATA_DIR (.ci/run sets it)")
     out = tmp_path / "auto.json"
     plot = tmp_path / "auto.png"
-    result = _script(
+    _in_process(
         "bench_auto_accum.py",
         "--models=mlp",
         "--seeds=1",
@@ -218,16 +262,19 @@ def test_auto_accum_script_smoke(tmp_path):
     # "auto" starts at windows of 2, and 2 epochs are within its warmup.
     assert by_run["auto"]["updates"] == 10
     assert all(0 < r["final_accuracy"] <= 1 for r in rows)
-    assert "| mlp | auto | 10 |" in result.stdout
-    _script("bench_auto_accum.py", f"--out={out}", f"--plot={plot}")
+    assert "| mlp | auto | 10 |" in capsys.readouterr().out
+    _in_process("bench_auto_accum.py", f"--out={out}", f"--plot={plot}")
     assert plot.stat().st_size > 10_000
 
 
+# The script, then (in its process: one JAX start, not two) the HLO
+# reading on two sums over sharded data, on the 2 devices it set up.
 _BRANCHES = """
-import json, sys
+import json, runpy, sys
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-sys.path.insert(0, sys.argv[1])
 from _collectives import collective_bytes
 mesh = Mesh(jax.devices(), ("batch",))
 x = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, P("batch")))
@@ -253,15 +300,13 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
     """The HLO reading sees a sum over sharded data (4,000 bytes of
     float32) inside a conditional's branch and outside one; the script
     runs, and finds the plain step's gradient all-reduce."""
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
+    out = tmp_path / "communication.json"
+    script = ROOT / "benchmarks" / "bench_communication.py"
     result = subprocess.run(
-        [sys.executable, "-c", _BRANCHES, str(ROOT / "tests")],
-        env=env,
+        [sys.executable, "-c", _BRANCHES, str(script), "--devices=2"]
+        + ["--accum-steps=4", "--rounds=1", "--steps=8", f"--out={out}"],
+        # The script sets JAX's devices and backend itself.
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **_QUICK_XLA},
         capture_output=True,
         text=True,
         timeout=300,
@@ -273,16 +318,6 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
         {"every_step": 0, "in_branches": 4000},
         {"every_step": 4000, "in_branches": 0},
     ]
-    out = tmp_path / "communication.json"
-    _script(
-        "bench_communication.py",
-        "--devices=2",
-        "--accum-steps=4",
-        "--rounds=1",
-        "--steps=8",
-        f"--out={out}",
-        env={"XLA_FLAGS": ""},
-    )
     rows = {
         (r["variant"], r["accum_steps"]): r for r in json.loads(out.read_text())
     }
@@ -309,10 +344,13 @@ def test_auto_micro_batch_script_smoke(tmp_path):
         "--models=mlp",
         "--batch=32",
         # The limit halfway between the peaks at 5 and 6: 5 is chosen, and
-        # three processes give every figure (the peaks at 5 and 6, "auto");
+        # three tasks give every figure (the peaks at 5 and 6, "auto");
         # 4:32 took five. (The peak at 4 is above 5's: not monotonic.)
         "--pairs=5:6",
+        # JAX's figures are compiled analyses: the same in one process.
+        "--in-process",
         f"--out={out}",
+        env=_QUICK_XLA,
     )
     (row,) = json.loads(out.read_text())["rows"]
     # JAX's figures are exact: the size chosen fits, the next does not.
@@ -325,7 +363,9 @@ def test_low_precision_benchmark_runs(tmp_path):
     # The sections run in a JAX process of the script's own, whatever
     # backend the suite runs under.
     out = tmp_path / "low_precision.json"
-    result = _script("bench_low_precision.py", "--quick", f"--json={out}")
+    result = _script(
+        "bench_low_precision.py", "--quick", f"--json={out}", env=_QUICK_XLA
+    )
     report = json.loads(out.read_text())
     assert report["quick"] is True
     for row in report["bias"]["rows"]:
