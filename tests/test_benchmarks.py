@@ -35,10 +35,8 @@ def _script(script, *args, env=None):
 # time is mostly XLA compiling; this halves it, with the same compiled
 # memory analyses (checked on bench_low_precision.py's rows) and slower
 # machine code, which tiny sizes do not feel.
-_QUICK_XLA = {
-    "XLA_FLAGS": "--xla_backend_optimization_level=0"
-    " --xla_llvm_disable_expensive_passes=true"
-}
+# As tests/conftest.py sets it for the suite's own JAX processes.
+_QUICK_XLA = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 # For the PyTorch processes: one OpenMP thread. Its pool's threads spin
 # while they wait: on a busy 2-core machine, up to twice a smoke run's
