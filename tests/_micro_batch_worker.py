@@ -102,7 +102,9 @@ def out_of_memory(strategy):
     x[:, 0] = 0.0
     x[28:32, 0] = 2.0
     with strategy.scope():
-        model = _oom_model(keras_accum.AccumModel, 4.5, micro_batch_size=4)
+        model = _oom_model(
+            keras_accum.AccumModel, 4.5, allocate=True, micro_batch_size=4
+        )
         model.compile(
             optimizer="adam",
             loss="mse",

@@ -491,19 +491,23 @@ class OutOfMemoryAbove(keras.layers.Layer):
     samples; on JAX its size, which is all a compiled step knows) is above
     `limit`: as a batch of long sequences would.
 
-    TensorFlow: a real allocation of 2**46 floats, refused by the
-    allocator at run time, after the micro-batches before it wrote their
-    part. PyTorch: `torch.OutOfMemoryError`, raised eagerly at the same
-    point. JAX: `JaxRuntimeError("RESOURCE_EXHAUSTED: ...")` when the
-    step is compiled.
+    TensorFlow: inside the graph at run time, after the micro-batches
+    before it wrote their part, its `ResourceExhaustedError` (a Python
+    `MemoryError` in a `tf.py_function`); with `allocate=True`, a real
+    allocation of 2**46 floats, refused by the allocator, which first
+    waits 10 s for memory to be freed (so only where that matters).
+    PyTorch: `torch.OutOfMemoryError`, raised eagerly at the same point.
+    JAX: `JaxRuntimeError("RESOURCE_EXHAUSTED: ...")` when the step is
+    compiled.
 
     Armed by `_Arm` when training begins: Keras's build from the first
     batch runs the layer on it too.
     """
 
-    def __init__(self, limit=None, **kwargs):
+    def __init__(self, limit=None, allocate=False, **kwargs):
         super().__init__(**kwargs)
         self.limit = limit
+        self.allocate = allocate
         # Set by `_Arm` once `fit` has built the model from a batch.
         self.armed = False
 
@@ -514,9 +518,13 @@ class OutOfMemoryAbove(keras.layers.Layer):
             import tensorflow as tf
 
             cost = tf.reduce_sum(x[:, 0])
-            size = tf.where(cost > self.limit, 2**46, 1)
-            waste = tf.reduce_sum(tf.random.uniform(tf.reshape(size, [1])))
-            return x + 0.0 * waste
+            if self.allocate:
+                size = tf.where(cost > self.limit, 2**46, 1)
+                waste = tf.random.uniform(tf.reshape(size, [1]))
+                return x + 0.0 * tf.reduce_sum(waste)
+            waste = tf.py_function(self._refuse, [cost], tf.float32)
+            waste.set_shape([])
+            return x + 0.0 * tf.cast(waste, x.dtype)
         if BACKEND == "jax":
             import jax
 
@@ -533,12 +541,20 @@ class OutOfMemoryAbove(keras.layers.Layer):
             )
         return x
 
+    def _refuse(self, cost):
+        # TensorFlow turns a `MemoryError` in the graph into its
+        # `ResourceExhaustedError`, as it does a refused allocation.
+        if float(cost) > self.limit:
+            raise MemoryError(f"a micro-batch of cost {float(cost)}")
+        return 0.0
+
     def compute_output_shape(self, input_shape):
         # Keras's symbolic pass must not run the check on stand-in data.
         return input_shape
 
     def get_config(self):
-        return {**super().get_config(), "limit": self.limit}
+        config = {"limit": self.limit, "allocate": self.allocate}
+        return {**super().get_config(), **config}
 
 
 class _Arm(keras.callbacks.Callback):
@@ -548,10 +564,10 @@ class _Arm(keras.callbacks.Callback):
                 layer.armed = True
 
 
-def _oom_model(model_cls, limit, **kwargs):
+def _oom_model(model_cls, limit, allocate=False, **kwargs):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((5,))
-    hidden = OutOfMemoryAbove(limit)(inputs)
+    hidden = OutOfMemoryAbove(limit, allocate)(inputs)
     hidden = keras.layers.Dense(16, activation="tanh")(hidden)
     return model_cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
 
@@ -618,7 +634,11 @@ LIMIT = 4 if BACKEND == "jax" else 4.5
 
 
 def test_out_of_memory_shrinks_and_redoes_the_batch_exactly():
-    model = _oom_model(keras_accum.AccumModel, LIMIT, micro_batch_size=8)
+    # On TensorFlow a real allocation, refused (the other tests raise its
+    # error without the allocator's wait).
+    model = _oom_model(
+        keras_accum.AccumModel, LIMIT, allocate=True, micro_batch_size=8
+    )
     caught = _fit_against_model_16(model)
     shrinks = [m for m in caught if "ran out of memory" in m]
     assert shrinks, caught
@@ -764,30 +784,23 @@ def test_auto_steps_around_sizes_whose_probe_runs_out_of_memory():
     """A probe (or compilation) that runs out of memory counts as too big,
     and is undone: "auto" picks a size that trains without failing."""
     auto = keras_accum.AutoMicroBatch(memory_limit=2**40, margin=0.0)
-    limit, costs = LIMIT, None
-    if BACKEND == "tensorflow":
-        # Each of TensorFlow's out-of-memory errors waits 10 s in its
-        # allocator: here only the whole batch (cost 16) fails.
-        limit, costs = 15.5, 1.0
-    model = _oom_model(keras_accum.AccumModel, limit, micro_batch_size=auto)
-    caught = _fit_against_model_16(model, costs)
+    model = _oom_model(keras_accum.AccumModel, LIMIT, micro_batch_size=auto)
+    caught = _fit_against_model_16(model)
     assert not [m for m in caught if "ran out of memory" in m]
     (choice,) = model.micro_batch_choices
     assert choice["reason"] == "auto"
     assert 1 <= choice["micro_batch_size"] < 16
 
 
-@pytest.mark.skipif(
-    BACKEND == "tensorflow",
-    reason="the shared `_sizing` path, run on JAX and PyTorch; each of "
-    "TensorFlow's out-of-memory errors waits 10 s in its allocator, and "
-    "the shrink test above covers TensorFlow's error",
-)
 def test_out_of_memory_at_one_sample_is_raised():
     x, y = _oom_data()
     model = _oom_model(keras_accum.AccumModel, -1.0, micro_batch_size=1)
     model.compile(optimizer="sgd", loss="mse")
-    errors = {"jax": "JaxRuntimeError", "torch": "OutOfMemoryError"}
+    errors = {
+        "tensorflow": "ResourceExhaustedError",
+        "jax": "JaxRuntimeError",
+        "torch": "OutOfMemoryError",
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(Exception) as raised:
