@@ -31,11 +31,11 @@ def _script(script, *args, env=None):
     return result
 
 
-# For the JAX processes: XLA's LLVM backend unoptimized. A smoke run's
-# time is mostly XLA compiling; this halves it, with the same compiled
-# memory analyses (checked on bench_low_precision.py's rows) and slower
-# machine code, which tiny sizes do not feel.
-# As tests/conftest.py sets it for the suite's own JAX processes.
+# For the JAX processes: XLA's LLVM backend unoptimized, the flag that
+# tests/conftest.py sets for the suite's own JAX processes (this file runs
+# under TensorFlow, where it sets none). A smoke run's time is mostly XLA
+# compiling; this halves it, with the same compiled memory analyses
+# (checked on bench_low_precision.py's rows).
 _QUICK_XLA = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 # For the PyTorch processes: one OpenMP thread. Its pool's threads spin
