@@ -133,6 +133,17 @@ def pytest_collection_modifyitems(config, items):
             )
 
 
+def pytest_sessionstart(session):
+    # What is alive now (Keras, the backend, pytest: millions of objects
+    # that live as long as the process) out of Python's garbage collector's
+    # reach: its full collections, automatic and below, then scan only what
+    # the tests made. TensorFlow's tests/test_model.py and
+    # test_construction.py: 124-128 CPU-s without, 111-116 with; PyTorch's
+    # test_auto.py and test_construction.py 17.1, 14.9; JAX's unchanged.
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     # Without Python's full garbage collection: in a process that holds
