@@ -18,7 +18,6 @@ from _helpers import (
     LargeBatch,
     accum_mlp,
     assert_equivalent,
-    build_optimizer,
     mlp,
     regression_data,
     run_in_fresh_process,
@@ -64,7 +63,6 @@ FORMAT_VERSION = 2
 
 def _compiled(model):
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    build_optimizer(model)
     return model
 
 
