@@ -332,11 +332,12 @@ class LargeBatch:
             self._optimizer_values = [
                 keras.ops.convert_to_numpy(v) for v in optimizer.variables
             ]
-        build_optimizer(model)
         self._calls = []
         self._twin = None
 
     def fit(self, *args, callbacks=None, **kwargs):
+        # At the first step, where Keras would build it (in the trace).
+        build_optimizer(self.model)
         self._calls.append(("fit", args, kwargs))
         callbacks = [self.updates, *(callbacks or [])]
         history = self.model.fit(*args, callbacks=callbacks, **kwargs)
@@ -344,6 +345,7 @@ class LargeBatch:
         return history
 
     def train_on_batch(self, *args, **kwargs):
+        build_optimizer(self.model)
         self._calls.append(("train_on_batch", args, kwargs))
         logs = self.model.train_on_batch(*args, **kwargs)
         self.updates.set_model(self.model)
