@@ -14,7 +14,7 @@ import math
 import keras
 import numpy as np
 import pytest
-from _helpers import KillAt, Killed, regression_data
+from _helpers import KillAt, Killed, build_optimizer, regression_data
 
 import keras_accum
 from keras_accum import _codecs, _rounding
@@ -304,6 +304,7 @@ def test_training_stays_close_to_the_large_batch(mode):
     plain.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse"
     )
+    build_optimizer(plain)
     start = [w.copy() for w in plain.get_weights()]
     settings = (
         dict(accum_steps=4)

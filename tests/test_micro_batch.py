@@ -15,6 +15,7 @@ from _helpers import (
     assert_equivalent,
     batch_norm_data,
     batch_norm_model,
+    build_optimizer,
     eager_batches,
     mlp,
     moving_statistics,
@@ -35,6 +36,7 @@ def _compiled(model, optimizer="adam", **kwargs):
         "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     }[optimizer]()
     model.compile(optimizer=optimizer, loss=kwargs.pop("loss", "mse"), **kwargs)
+    build_optimizer(model)
     return model
 
 

@@ -17,6 +17,7 @@ from _helpers import (
     accum_mlp,
     assert_equivalent,
     assert_same_weights,
+    build_optimizer,
     classification_data,
     max_weight_diff,
     mlp,
@@ -207,6 +208,7 @@ def test_gradient_clipping_applies_to_the_window(clip, report_diff):
     reference.compile(
         optimizer=keras.optimizers.SGD(0.5, momentum=0.5), loss="mse"
     )
+    build_optimizer(reference)
     reference.fit(x, y, batch_size=B * K, epochs=2, shuffle=False, verbose=0)
     assert (
         np.max(np.abs(reference.get_weights()[0] - plain.get_weights()[0]))

@@ -11,6 +11,7 @@ from _contrastive import CASES, supcon_loss
 from _helpers import (
     assert_equivalent,
     assert_same_weights,
+    build_optimizer,
     float64,
     max_weight_diff,
     overflow_prone,
@@ -41,6 +42,7 @@ def _build(
     model.compile(
         optimizer=_optimizer(optimizer), loss=loss, jit_compile=jit_compile
     )
+    build_optimizer(model)
     return model
 
 
