@@ -806,6 +806,10 @@ def test_optimizer_that_accumulates_itself_is_refused():
         )
 
 
+@pytest.mark.full_run_only(
+    reason="its fresh process runs Keras's NumPy backend, whatever backend "
+    "this run has: the same case in every run"
+)
 def test_unsupported_backends_are_refused_with_how_to_select_one():
     import subprocess
     import sys
