@@ -31,10 +31,18 @@ BACKEND = keras.backend.backend()
 B, K = 8, 4  # 70 samples: windows of 4, 4 and a short one (2 + 6 samples).
 
 
-def _pair(optimizer_fn, loss="mse", compile_kwargs=None, **model_kwargs):
+def _pair(
+    optimizer_fn,
+    loss="mse",
+    compile_kwargs=None,
+    plain_compile_kwargs=None,
+    **model_kwargs,
+):
     compile_kwargs = compile_kwargs or {}
+    if plain_compile_kwargs is None:
+        plain_compile_kwargs = compile_kwargs
     plain = mlp(**model_kwargs)
-    plain.compile(optimizer=optimizer_fn(), loss=loss, **compile_kwargs)
+    plain.compile(optimizer=optimizer_fn(), loss=loss, **plain_compile_kwargs)
     accum = accum_mlp(K, **model_kwargs)
     accum.compile(optimizer=optimizer_fn(), loss=loss, **compile_kwargs)
     return plain, accum
@@ -116,24 +124,19 @@ def test_compile_modes(mode, report_diff):
     assert int(accum.optimizer.iterations) == 6
 
 
-def _eager_reference_on_torch(plain):
-    # The large-batch reference of a `torch.compile` case trains eagerly:
-    # the compiled AccumModel is held to PyTorch's own ops, and the plain
-    # model's compile (about half of this case's CPU) is saved.
-    if BACKEND == "torch":
-        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    return plain
-
-
 def test_jit_compile_with_one_sample_per_micro_batch(report_diff):
     # Micro-batches of one sample under XLA (TensorFlow, JAX) and
     # `torch.compile` (PyTorch): 8 samples, windows of 4.
     x, y = regression_data(n=8)
+    # On PyTorch the large-batch reference trains eagerly: the compiled
+    # AccumModel is held to PyTorch's own ops, and the reference's
+    # `torch.compile` (about half of this case's CPU) is saved.
+    jit = {"jit_compile": True}
     plain, accum = _pair(
         lambda: keras.optimizers.Adam(0.01),
-        compile_kwargs={"jit_compile": True},
+        compile_kwargs=jit,
+        plain_compile_kwargs={} if BACKEND == "torch" else jit,
     )
-    plain = _eager_reference_on_torch(plain)
     diff, _, _ = train_pair(plain, accum, x, y, 1, K, epochs=1)
     report_diff(diff)
     assert int(accum.optimizer.iterations) == 2
