@@ -15,6 +15,24 @@ and the JAX and PyTorch runs skip them naming the covering case.
 import gc
 import os
 
+import pytest
+
+
+def _versions_at_least(**minimums):
+    """Whether each distribution installed of `minimums` (name: (major,
+    minor)) is at least that version; one not installed passes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name, minimum in minimums.items():
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            continue
+        if tuple(int(part) for part in found.split(".")[:2]) < minimum:
+            return False
+    return True
+
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # TensorFlow's CPU allocator keeps statistics (`get_memory_info`, which
@@ -22,24 +40,37 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # on CPUs where TensorFlow enables oneDNN (Intel's), not on others (AMD's).
 # Set for every CPU, before TensorFlow starts; subprocesses inherit it.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+# XLA, JAX's compiler and TensorFlow's under `jit_compile=True`: the tests'
+# models are tiny, and XLA's compiles, not their runs, are most of the JAX
+# run's CPU time. Its CPU backend compiles much faster without LLVM's
+# optimization passes (level 0) and with its older emitters for fusions
+# instead of its MLIR ones, to the same values within the suite's
+# tolerances: each test compares models compiled alike. One process,
+# CPU-s: JAX's tests/test_whole_batch_loss.py 136 with XLA's defaults,
+# 87-96 at level 0, 43 with the older emitters too; TensorFlow's `-k "xla
+# or jit"` 101 with XLA's defaults, 65 with both. The tests' subprocesses
+# inherit the flags. No test times a step (benchmarks/ do, outside the
+# suite, with XLA's defaults).
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in flags:
+    flags += " --xla_backend_optimization_level=0"
+# An XLA that does not know a flag aborts the process: TensorFlow 2.16's
+# (the oldest set, .ci/compat) has no such emitter flag. From the versions
+# CI tests (constraints.txt), for every XLA installed (a subprocess may
+# start the other backend).
+if "xla_cpu_use_fusion_emitters" not in flags and _versions_at_least(
+    tensorflow=(2, 21), jaxlib=(0, 10)
+):
+    flags += " --xla_cpu_use_fusion_emitters=false"
 if os.environ["KERAS_BACKEND"] == "jax":
     # The equivalence is measured on CPU; two CPU devices for
     # `keras.distribution` (tests/test_model.py). Before JAX is imported.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += " --xla_force_host_platform_device_count=2"
-    # The tests' models are tiny: XLA's compiles, not their runs, are most
-    # of the JAX run's CPU time, and its CPU backend compiles much faster
-    # without LLVM's optimization passes (level 0), to the same values
-    # within the suite's tolerances: each test compares models compiled
-    # alike. One process: tests/test_whole_batch_loss.py 136 CPU-s with
-    # them, 87 without; tests/test_auto.py 71-74, 55. The tests'
-    # subprocesses inherit the flag. No test times a step (benchmarks/
-    # do, outside the suite, with XLA's defaults).
-    if "xla_backend_optimization_level" not in flags:
-        flags += " --xla_backend_optimization_level=0"
-    os.environ["XLA_FLAGS"] = flags.strip()
+os.environ["XLA_FLAGS"] = flags.strip()
+if os.environ["KERAS_BACKEND"] == "jax":
     # One compilation cache for the run: the tests build the same small
     # models again and again, and XLA compiles each step anew in every
     # test (a new function each time) where the cache hands back the
@@ -58,14 +89,17 @@ if os.environ["KERAS_BACKEND"] == "jax":
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-import keras
-import pytest
-
-BACKEND = keras.backend.backend()
+# Keras reads `KERAS_BACKEND`, set above, before its own config file. Keras
+# itself is imported where a test needs it, not here: pytest-xdist's
+# controller loads this file too, runs no test, and would spend 4-7 CPU-s
+# importing Keras and its backend before starting the workers.
+BACKEND = os.environ["KERAS_BACKEND"]
 
 
 def pytest_report_header(config):
-    return f"keras backend: {BACKEND} (keras {keras.__version__})"
+    from importlib.metadata import version
+
+    return f"keras backend: {BACKEND} (keras {version('keras')})"
 
 
 def _reason(marker, default):
@@ -133,19 +167,22 @@ def pytest_collection_modifyitems(config, items):
             )
 
 
-def pytest_sessionstart(session):
-    # What is alive now (Keras, the backend, pytest: millions of objects
-    # that live as long as the process) out of Python's garbage collector's
-    # reach: its full collections, automatic and below, then scan only what
-    # the tests made. TensorFlow's tests/test_model.py and
-    # test_construction.py: 124-128 CPU-s without, 111-116 with; PyTorch's
-    # test_auto.py and test_construction.py 17.1, 14.9; JAX's unchanged.
+def pytest_collection_finish(session):
+    # What is alive once the tests are collected (Keras, the backend, the
+    # test modules, pytest: millions of objects that live as long as the
+    # process) out of Python's garbage collector's reach: its full
+    # collections, automatic and below, then scan only what the tests
+    # made. TensorFlow's tests/test_model.py and test_construction.py:
+    # 124-128 CPU-s without, 111-116 with; PyTorch's test_auto.py and
+    # test_construction.py 17.1, 14.9; JAX's unchanged.
     gc.collect()
     gc.freeze()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
+    import keras
+
     # Without Python's full garbage collection: in a process that holds
     # TensorFlow, KerasHub and the test suite it takes 0.3 to 1 s, which
     # per test was a third of the run. Once per module instead (below).
