@@ -731,6 +731,17 @@ def eager_batches(model, data, **kwargs) -> int:
     return len(taken)
 
 
+def suite_xla_flags(*leaving_out):
+    """The suite's `XLA_FLAGS` (tests/conftest.py: XLA's quicker compiles;
+    on JAX two CPU devices) without the flags named: for a process that
+    sets up its own devices, or whose steps are big enough to want LLVM's
+    optimizations."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(
+        flag for flag in flags if not any(name in flag for name in leaving_out)
+    )
+
+
 def run_in_fresh_process(args, env):
     """Runs `python *args` in a fresh process; returns its RESULTS JSON.
 

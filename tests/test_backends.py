@@ -18,6 +18,7 @@ from _helpers import (
     accum_mlp,
     continue_one_epoch,
     regression_data,
+    suite_xla_flags,
     train_to_an_open_window,
 )
 
@@ -77,9 +78,9 @@ def _env(backend):
             [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    # Not the suite's devices; its XLA level (tests/conftest.py), which
-    # compiles the JAX side's small steps in a fraction of the CPU.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # Not the suite's devices; its quicker XLA compiles (tests/conftest.py),
+    # which compile the JAX side's small steps in a fraction of the CPU.
+    env["XLA_FLAGS"] = suite_xla_flags("xla_force_host_platform_device_count")
     return env
 
 

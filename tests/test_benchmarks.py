@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _helpers import suite_xla_flags
 
 pytestmark = pytest.mark.tensorflow_only(
     reason="the benchmark scripts run on TensorFlow"
@@ -31,12 +32,14 @@ def _script(script, *args, env=None):
     return result
 
 
-# For the JAX processes: XLA's LLVM backend unoptimized, the flag that
-# tests/conftest.py sets for the suite's own JAX processes (this file runs
-# under TensorFlow, where it sets none). A smoke run's time is mostly XLA
-# compiling; this halves it, with the same compiled memory analyses
-# (checked on bench_low_precision.py's rows).
-_QUICK_XLA = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+# For the JAX processes: the suite's quicker XLA compiles (tests/conftest.py;
+# LLVM's backend unoptimized, XLA:CPU's older fusion emitters), without its
+# devices. A smoke run's time is mostly XLA compiling; level 0 alone halves
+# it, with the same compiled memory analyses (checked on
+# bench_low_precision.py's rows).
+_QUICK_XLA = {
+    "XLA_FLAGS": suite_xla_flags("xla_force_host_platform_device_count")
+}
 
 # For the PyTorch processes: one OpenMP thread. Its pool's threads spin
 # while they wait: on a busy 2-core machine, up to twice a smoke run's
