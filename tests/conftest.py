@@ -63,14 +63,13 @@ if "xla_cpu_use_fusion_emitters" not in flags and _versions_at_least(
     tensorflow=(2, 21), jaxlib=(0, 10)
 ):
     flags += " --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = flags.strip()
 if os.environ["KERAS_BACKEND"] == "jax":
     # The equivalence is measured on CPU; two CPU devices for
     # `keras.distribution` (tests/test_model.py). Before JAX is imported.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "xla_force_host_platform_device_count" not in flags:
-        flags += " --xla_force_host_platform_device_count=2"
-os.environ["XLA_FLAGS"] = flags.strip()
-if os.environ["KERAS_BACKEND"] == "jax":
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
     # One compilation cache for the run: the tests build the same small
     # models again and again, and XLA compiles each step anew in every
     # test (a new function each time) where the cache hands back the

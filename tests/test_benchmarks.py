@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _helpers import suite_xla_flags
 
 pytestmark = pytest.mark.tensorflow_only(
     reason="the benchmark scripts run on TensorFlow"
@@ -32,14 +31,11 @@ def _script(script, *args, env=None):
     return result
 
 
-# For the JAX processes: the suite's quicker XLA compiles (tests/conftest.py;
-# LLVM's backend unoptimized, XLA:CPU's older fusion emitters), without its
-# devices. A smoke run's time is mostly XLA compiling; level 0 alone halves
-# it, with the same compiled memory analyses (checked on
+# The JAX processes inherit the suite's quicker XLA compiles
+# (tests/conftest.py; this file runs under TensorFlow, whose XLA_FLAGS hold
+# no devices): a smoke run's time is mostly XLA compiling; LLVM's level 0
+# alone halves it, with the same compiled memory analyses (checked on
 # bench_low_precision.py's rows).
-_QUICK_XLA = {
-    "XLA_FLAGS": suite_xla_flags("xla_force_host_platform_device_count")
-}
 
 # For the PyTorch processes: one OpenMP thread. Its pool's threads spin
 # while they wait: on a busy 2-core machine, up to twice a smoke run's
@@ -138,7 +134,6 @@ def test_micro_batch_script_smoke(tmp_path):
         "--accum-steps=4",
         "--rounds=2",
         "--memory",
-        env=_QUICK_XLA,
     )["rows"]
     assert [r["variant"] for r in rows] == ["split", "keras_ga", "large"]
     assert all(len(r["ratios"]) == 2 and r["ratio_median"] > 0 for r in rows)
@@ -307,7 +302,7 @@ def test_communication_script_tells_branches_from_every_step(tmp_path):
         [sys.executable, "-c", _BRANCHES, str(script), "--devices=2"]
         + ["--accum-steps=4", "--rounds=1", "--steps=8", f"--out={out}"],
         # The script sets JAX's devices and backend itself.
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **_QUICK_XLA},
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -351,7 +346,6 @@ def test_auto_micro_batch_script_smoke(tmp_path):
         # JAX's figures are compiled analyses: the same in one process.
         "--in-process",
         f"--out={out}",
-        env=_QUICK_XLA,
     )
     (row,) = json.loads(out.read_text())["rows"]
     # JAX's figures are exact: the size chosen fits, the next does not.
@@ -364,9 +358,7 @@ def test_low_precision_benchmark_runs(tmp_path):
     # The sections run in a JAX process of the script's own, whatever
     # backend the suite runs under.
     out = tmp_path / "low_precision.json"
-    result = _script(
-        "bench_low_precision.py", "--quick", f"--json={out}", env=_QUICK_XLA
-    )
+    result = _script("bench_low_precision.py", "--quick", f"--json={out}")
     report = json.loads(out.read_text())
     assert report["quick"] is True
     for row in report["bias"]["rows"]:
